@@ -1,0 +1,393 @@
+"""Run configuration: one dataclass per section, a YAML file plus ``key=value`` overrides.
+
+Every field carries a one-line ``help`` (used by ``vramfit config-reference`` and the README), and
+optionally ``choices`` or bounds. :func:`load_config` walks the user's keys against the schema,
+collects *every* problem (unknown key, bad type, out-of-range value, impossible batch arithmetic)
+and raises one :class:`ConfigError` listing them, each with the value, the rule and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+from typing import Any, get_args, get_origin
+
+from omegaconf import OmegaConf
+
+AUTO = "auto"
+
+
+class ConfigError(ValueError):
+    """A bad setting. ``problems`` holds one line per problem: value, rule, fix."""
+
+    def __init__(self, problems: list[str], source: str = "configuration"):
+        self.problems = list(problems)
+        n = len(self.problems)
+        head = f"{n} problem{'s' if n != 1 else ''} in the {source}:"
+        super().__init__("\n".join([head] + [f"  - {p}" for p in self.problems]))
+
+
+def _f(default, help: str, choices=None, min=None, max=None, auto: bool = False, **kw):
+    """A schema field: default, one-line help, allowed values, bounds, and whether 'auto' is allowed."""
+    meta = {"help": help, "choices": choices, "min": min, "max": max, "auto": auto}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
+
+
+ENGINES = ("auto", "deepspeed", "amp", "fsdp")
+PRECISIONS = ("auto", "fp16", "bf16", "fp32")
+
+
+@dataclass
+class ModelConfig:
+    name: str = _f("tiny", "Preset name (tiny, llama-125m ... llama-13b), a local HF model directory, or a hub id.")
+    gradient_checkpointing: bool = _f(False, "Recompute each layer's activations in backward: ~30% slower, keeps only layer inputs.")
+    attn_implementation: str = _f("auto", "Attention kernel: auto (sdpa where available), eager or sdpa.",
+                                  choices=("auto", "eager", "sdpa"))
+    quantize: str = _f("none", "Base weights in 4-bit NF4 (QLoRA) or 8-bit; needs bitsandbytes and LoRA.",
+                       choices=("none", "4bit", "8bit"))
+    trust_remote_code: bool = _f(False, "Allow custom modelling code from a model directory or hub repo.")
+
+
+@dataclass
+class LoraConfig:
+    r: int = _f(0, "LoRA rank; 0 turns LoRA off (full fine-tune).", min=0)
+    alpha: float = _f(16.0, "LoRA scaling numerator (scale = alpha / r).", min=0)
+    dropout: float = _f(0.0, "Dropout on the LoRA input.", min=0.0, max=1.0)
+    target_modules: list = _f(["all-linear"], "Module names to adapt; 'all-linear' = every linear layer of the decoder.")
+
+
+@dataclass
+class DataConfig:
+    source: str = _f("synthetic", "'synthetic' (built-in learnable task) or a path to a jsonl/json/csv/parquet/txt file.")
+    format: str = _f("auto", "Record format: auto (from the fields), text, prompt_response, alpaca, messages.",
+                     choices=("auto", "text", "prompt_response", "alpaca", "messages"))
+    text_field: str = _f("text", "Field holding plain text records.")
+    seq_len: int = _f(128, "Tokens per sample.", min=8)
+    packing: bool = _f(True, "Pack text records back to back into seq_len blocks (no padding waste).")
+    eval_fraction: float = _f(0.0, "Fraction of samples held out for eval loss (0 = no eval).", min=0.0, max=0.5)
+    num_samples: int = _f(4096, "Samples the synthetic task generates.", min=16)
+    vocab_size: int = _f(256, "Vocabulary of the synthetic task (must fit the model's).", min=8)
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = _f(200, "Optimizer steps to run.", min=1)
+    micro_batch_size: Any = _f(8, "Samples per forward/backward per rank (int, or 'auto' to take the planner's).",
+                               min=1, auto=True)
+    global_batch_size: int = _f(16, "Samples per optimizer step over all ranks = micro x accumulation x world.", min=1)
+    lr: float = _f(3e-3, "Peak learning rate.", min=0.0)
+    min_lr_ratio: float = _f(0.1, "Cosine schedule ends at lr x this.", min=0.0, max=1.0)
+    warmup_steps: int = _f(20, "Linear warmup steps before the cosine decay.", min=0)
+    weight_decay: float = _f(0.0, "AdamW weight decay, applied to matrices only (not norms and biases).", min=0.0)
+    beta1: float = _f(0.9, "AdamW beta1.", min=0.0, max=1.0)
+    beta2: float = _f(0.95, "AdamW beta2.", min=0.0, max=1.0)
+    eps: float = _f(1e-8, "AdamW epsilon.", min=0.0)
+    grad_clip: float = _f(1.0, "Clip the global gradient norm to this (0 = off).", min=0.0)
+    eval_every: int = _f(0, "Eval loss every N steps (0 = only at the end when an eval split exists).", min=0)
+    optimizer: str = _f("adamw", "adamw, or adamw8bit (bitsandbytes, AMP path only).", choices=("adamw", "adamw8bit"))
+
+
+@dataclass
+class LossScaleConfig:
+    initial_power: int = _f(16, "fp16 dynamic loss scale starts at 2**initial_power.", min=0, max=32)
+    window: int = _f(1000, "Overflow-free steps before the scale doubles.", min=1)
+    hysteresis: int = _f(2, "Overflows tolerated before the scale halves (DeepSpeed).", min=1)
+    min_scale: float = _f(1.0, "The scale never goes below this.", min=0.0)
+
+
+@dataclass
+class MemoryConfig:
+    gpu_budget: Any = _f("auto", "GPU memory budget in GiB, or 'auto' (free memory now minus margin).", min=0.1, auto=True)
+    cpu_budget: Any = _f("auto", "CPU RAM budget in GiB, or 'auto' (available RAM minus margin).", min=0.1, auto=True)
+    margin: float = _f(0.1, "Safety margin taken off auto budgets (fraction).", min=0.0, max=0.9)
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = _f(0, "Save a checkpoint every N steps (0 = only at the end).", min=0)
+    keep_last: int = _f(2, "Complete checkpoints kept; older ones are deleted.", min=1)
+    resume: str = _f("auto", "auto (newest complete checkpoint of this run), never, or a checkpoint path.")
+
+
+@dataclass
+class LogConfig:
+    every_steps: int = _f(10, "Print a log line every N steps.", min=1)
+    progress: str = _f("auto", "Progress bar: auto (when stdout is a terminal), on, off.", choices=("auto", "on", "off"))
+
+
+@dataclass
+class Config:
+    seed: int = _f(1234, "Seed for model init, data order and dropout.")
+    run_name: str = _f("", "Run directory name under output_dir; empty = <model>-<timestamp>.")
+    output_dir: str = _f("runs", "Where run directories are made.")
+    engine: str = _f("auto", "auto (DeepSpeed when it imports and can run the profile, else torch), deepspeed, amp, fsdp.",
+                     choices=ENGINES)
+    profile: str = _f("auto", "auto (fastest profile that fits the budget) or a profile name (vramfit profiles).")
+    precision: str = _f("auto", "auto (bf16 on GPUs with compute capability >= 8, fp16 on older GPUs, fp32 on CPU), fp16, bf16, fp32.",
+                        choices=PRECISIONS)
+    device: str = _f("auto", "auto (cuda when available), cuda or cpu.", choices=("auto", "cuda", "cpu"))
+    sample_prompt: str = _f("", "Text to generate from after training (empty = a prompt from the data).")
+    sample_tokens: int = _f(32, "Tokens generated for the sample after training (0 = none).", min=0)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading and validation
+
+
+def _is_section(f: dataclasses.Field) -> bool:
+    return dataclasses.is_dataclass(f.type) or (isinstance(f.type, str) and f.type.endswith("Config"))
+
+
+def _section_type(owner, f: dataclasses.Field):
+    return type(getattr(owner(), f.name))
+
+
+def _coerce(key: str, value: Any, f: dataclasses.Field, problems: list[str]):
+    """Convert one user value to the field's type, or record a problem and return None."""
+    meta = f.metadata
+    typ = f.type if not isinstance(f.type, str) else eval(f.type, globals())  # noqa: S307 (our own annotations)
+    if meta.get("auto") and isinstance(value, str) and value.strip().lower() == AUTO:
+        return AUTO
+    want = typ
+    if typ is Any:  # 'auto' or a number
+        want = int if isinstance(f.default, int) else float
+    ok, out = True, value
+    if want is bool:
+        if isinstance(value, bool):
+            out = value
+        elif isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "on", "off", "1", "0"):
+            out = value.lower() in ("true", "yes", "on", "1")
+        else:
+            ok = False
+    elif want is int:
+        if isinstance(value, bool):
+            ok = False
+        elif isinstance(value, int):
+            out = value
+        elif isinstance(value, float) and value.is_integer():
+            out = int(value)
+        elif isinstance(value, str):
+            try:
+                out = int(value)
+            except ValueError:
+                ok = False
+        else:
+            ok = False
+    elif want is float:
+        if isinstance(value, bool):
+            ok = False
+        elif isinstance(value, (int, float)):
+            out = float(value)
+        elif isinstance(value, str):
+            try:
+                out = float(value)
+            except ValueError:
+                ok = False
+        else:
+            ok = False
+    elif want is str:
+        if isinstance(value, (dict, list)):
+            ok = False
+        else:
+            out = "" if value is None else str(value)
+    elif want is list or get_origin(want) is list:
+        if isinstance(value, str):
+            out = [v.strip() for v in value.split(",") if v.strip()]
+        elif isinstance(value, (list, tuple)):
+            out = [str(v) for v in value]
+        else:
+            ok = False
+    if not ok:
+        kind = {bool: "true or false", int: "a whole number", float: "a number", str: "a string",
+                list: "a list of names"}.get(want if want in (bool, int, float, str) else list, str(want))
+        if meta.get("auto"):
+            kind += " or 'auto'"
+        problems.append(f"{key}: got {value!r} ({type(value).__name__}); rule: must be {kind}; "
+                        f"fix: {key}=<{kind}>")
+        return None
+    choices = meta.get("choices")
+    if choices and out not in choices:
+        close = difflib.get_close_matches(str(out), choices, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        problems.append(f"{key}: got {out!r}; rule: one of {', '.join(choices)}; fix: {key}={close[0] if close else choices[0]}{hint}")
+        return None
+    lo, hi = meta.get("min"), meta.get("max")
+    if isinstance(out, (int, float)) and not isinstance(out, bool):
+        if lo is not None and out < lo:
+            problems.append(f"{key}: got {out!r}; rule: must be >= {lo}; fix: {key}={lo}")
+            return None
+        if hi is not None and out > hi:
+            problems.append(f"{key}: got {out!r}; rule: must be <= {hi}; fix: {key}={hi}")
+            return None
+    return out
+
+
+def _build(cls, raw: dict, prefix: str, problems: list[str]):
+    """Walk ``raw`` against dataclass ``cls``; unknown keys and bad values go to ``problems``."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        full = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            hint = f"did you mean {prefix}{close[0]}?" if close else f"known keys here: {', '.join(fields)}"
+            problems.append(f"{full}: unknown key; rule: only schema keys are accepted; fix: {hint}")
+            continue
+        f = fields[key]
+        sub = _section_type(cls, f) if dataclasses.is_dataclass(getattr(cls(), f.name)) else None
+        if sub is not None:
+            if not isinstance(value, dict):
+                problems.append(f"{full}: got {value!r}; rule: a section of keys ({', '.join(x.name for x in dataclasses.fields(sub))}); "
+                                f"fix: write {full}.KEY=VALUE")
+                continue
+            kwargs[key] = _build(sub, value, f"{full}.", problems)
+        else:
+            out = _coerce(full, value, f, problems)
+            if out is not None:
+                kwargs[key] = out
+    return cls(**kwargs)
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """``['a.b=1', 'c=x']`` -> nested dict, values parsed as YAML scalars (as OmegaConf does)."""
+    problems = []
+    good = []
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            problems.append(f"{item!r}: not a key=value override; rule: overrides look like train.lr=1e-4; "
+                            "fix: write KEY=VALUE (see `vramfit train --help`)")
+        else:
+            good.append(item)
+    if problems:
+        raise ConfigError(problems, "command line")
+    return OmegaConf.to_container(OmegaConf.from_dotlist(good)) if good else {}
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_raw(path: str | None, overrides: list[str] | None = None) -> dict:
+    raw: dict = {}
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError([f"config file {path!r}: not found; rule: CONFIG must be a YAML file; "
+                               "fix: give an existing path, or no CONFIG for the built-in demo"])
+        try:
+            loaded = OmegaConf.to_container(OmegaConf.load(path))
+        except Exception as e:  # yaml syntax errors carry line numbers
+            raise ConfigError([f"config file {path!r}: not valid YAML ({e}); fix: correct the file"]) from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError([f"config file {path!r}: top level is a {type(loaded).__name__}; "
+                               "rule: a mapping of keys; fix: write `key: value` lines"])
+        raw = loaded
+    return _merge(raw, parse_overrides(overrides or []))
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check(cfg: Config, world: int | None = None) -> list[str]:
+    """Cross-field rules. Returns problems (empty when fine)."""
+    problems = []
+    world = world or world_size()
+    t = cfg.train
+    if t.micro_batch_size != AUTO:
+        per_step = t.micro_batch_size * world
+        if t.global_batch_size % per_step:
+            lo = (t.global_batch_size // per_step) * per_step or per_step
+            problems.append(
+                f"train.global_batch_size: got {t.global_batch_size} with train.micro_batch_size={t.micro_batch_size} "
+                f"and {world} rank(s); rule: global batch = micro-batch x accumulation x world size, so it must be a "
+                f"multiple of {per_step}; fix: train.global_batch_size={lo} or {lo + per_step}, or a micro-batch "
+                f"that divides {t.global_batch_size // world if t.global_batch_size % world == 0 else t.global_batch_size}")
+    if t.warmup_steps > t.max_steps:
+        problems.append(f"train.warmup_steps: got {t.warmup_steps} > train.max_steps={t.max_steps}; "
+                        f"rule: warmup must end inside the run; fix: train.warmup_steps={max(0, t.max_steps // 10)}")
+    if cfg.model.quantize != "none" and cfg.lora.r == 0:
+        problems.append(f"model.quantize: got {cfg.model.quantize!r} with lora.r=0; rule: quantized base weights "
+                        "cannot be trained, only adapters on top (QLoRA); fix: lora.r=16, or model.quantize=none")
+    if cfg.model.quantize != "none" and cfg.engine in ("deepspeed", "fsdp"):
+        problems.append(f"model.quantize: got {cfg.model.quantize!r} with engine={cfg.engine}; rule: bitsandbytes "
+                        "quantized weights train on the AMP path only; fix: engine=auto or engine=amp")
+    if t.optimizer == "adamw8bit" and cfg.engine in ("deepspeed", "fsdp"):
+        problems.append(f"train.optimizer: got 'adamw8bit' with engine={cfg.engine}; rule: 8-bit AdamW runs on the "
+                        "AMP path only; fix: engine=auto or engine=amp, or train.optimizer=adamw")
+    if cfg.profile != AUTO:
+        from launcher.profiles import PROFILES  # local: profiles imports nothing from here at import time
+
+        if cfg.profile not in PROFILES:
+            close = difflib.get_close_matches(cfg.profile, list(PROFILES), n=1)
+            problems.append(f"profile: got {cfg.profile!r}; rule: auto or one of {', '.join(PROFILES)}; "
+                            f"fix: profile={close[0] if close else 'auto'}")
+        else:
+            p = PROFILES[cfg.profile]
+            if cfg.engine not in (AUTO, p.engine):
+                problems.append(f"engine: got {cfg.engine!r} with profile={cfg.profile} (a {p.engine} profile); "
+                                f"rule: they must agree; fix: engine=auto or engine={p.engine}")
+            if cfg.precision not in (AUTO, p.precision):
+                problems.append(f"precision: got {cfg.precision!r} with profile={cfg.profile} ({p.precision}); "
+                                f"rule: they must agree; fix: precision=auto or precision={p.precision}")
+    if cfg.checkpoint.resume not in ("auto", "never") and not os.path.exists(cfg.checkpoint.resume):
+        problems.append(f"checkpoint.resume: got {cfg.checkpoint.resume!r}; rule: auto, never, or an existing "
+                        "checkpoint directory; fix: checkpoint.resume=auto")
+    return problems
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None, world: int | None = None) -> Config:
+    """YAML file + overrides -> validated :class:`Config`. Raises one ConfigError listing every problem."""
+    raw = load_raw(path, overrides)
+    problems: list[str] = []
+    cfg = _build(Config, raw, "", problems)
+    if not problems:
+        problems += check(cfg, world)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def reference_markdown() -> str:
+    """The config reference table, generated from the schema (README section; a test keeps them equal)."""
+    lines = ["| key | default | meaning |", "| --- | --- | --- |"]
+
+    def walk(cls, prefix):
+        obj = cls()
+        for f in dataclasses.fields(cls):
+            val = getattr(obj, f.name)
+            if dataclasses.is_dataclass(val):
+                walk(type(val), f"{prefix}{f.name}.")
+                continue
+            meta = f.metadata
+            extra = f" One of: {', '.join(meta['choices'])}." if meta.get("choices") else ""
+            default = ",".join(val) if isinstance(val, list) else val
+            default = '""' if default == "" else default
+            lines.append(f"| `{prefix}{f.name}` | `{default}` | {meta.get('help', '')}{extra} |")
+
+    walk(Config, "")
+    return "\n".join(lines)
