@@ -1,0 +1,180 @@
+"""Command line: ``vramfit doctor | plan | profiles | train | bench | export | config-reference``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from launcher.config import ConfigError
+
+EPILOG = """config: an optional YAML file, then key=value overrides, e.g.
+  vramfit train                                   # the built-in demo (tiny Llama, synthetic task)
+  vramfit train my.yaml train.max_steps=500 model.gradient_checkpointing=true
+  vramfit plan model.name=llama-7b data.seq_len=2048 memory.gpu_budget=16 lora.r=16
+Every key is listed by `vramfit config-reference`."""
+
+
+def _split_config(items: list[str]) -> tuple[str | None, list[str]]:
+    """The first item is the CONFIG path when it is not a key=value override."""
+    if items and "=" not in items[0]:
+        return items[0], items[1:]
+    return None, items
+
+
+def strip_local_rank(argv: list[str]) -> list[str]:
+    """Drop the ``--local_rank=N`` / ``--local_rank N`` that the DeepSpeed launcher appends (it also sets LOCAL_RANK)."""
+    import os
+
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a.startswith("--local_rank=") or a.startswith("--local-rank="):
+            os.environ.setdefault("LOCAL_RANK", a.split("=", 1)[1])
+            continue
+        if a in ("--local_rank", "--local-rank"):
+            if i + 1 < len(argv):
+                os.environ.setdefault("LOCAL_RANK", argv[i + 1])
+            skip = True
+            continue
+        out.append(a)
+    return out
+
+
+def cmd_doctor(args) -> int:
+    from launcher.hardware import format_report, probe
+
+    hw = probe(with_cpu_adam=True)
+    if args.build_ops:
+        from launcher.hardware import build_cpu_adam
+
+        print(build_cpu_adam())
+        hw = probe(with_cpu_adam=True)
+    if args.json:
+        print(json.dumps(hw.to_dict(), indent=2))
+    else:
+        print(format_report(hw))
+    return 0
+
+
+def cmd_profiles(args) -> int:
+    from launcher import profiles
+
+    if args.check:
+        problems = profiles.check_all(args.dir)
+        if problems:
+            print("ds_configs/ and the profile catalogue disagree:\n  " + "\n  ".join(problems)
+                  + "\nfix: run `vramfit profiles` to regenerate them", file=sys.stderr)
+            return 1
+        print(f"{sum(p.is_deepspeed for p in profiles.PROFILES.values())} DeepSpeed profiles in {args.dir} match the code")
+        return 0
+    for path in profiles.write_all(args.dir):
+        print(f"wrote {path}")
+    print(profiles.table_markdown())
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from launcher import planner
+    from launcher.config import load_config
+    from launcher.hardware import probe
+
+    path, overrides = _split_config(args.config)
+    cfg = load_config(path, overrides)
+    plan = planner.plan(cfg, probe())
+    print(json.dumps(plan.to_json(), indent=2) if args.json else planner.format_table(plan))
+    return 0 if plan.chosen else 2
+
+
+def cmd_train(args) -> int:
+    from launcher.config import load_config
+    from launcher.train import EXIT_FAILED, EXIT_INTERRUPTED, train
+
+    path, overrides = _split_config(args.config)
+    cfg = load_config(path, overrides)
+    summary = train(cfg)
+    return {"completed": 0, "interrupted": EXIT_INTERRUPTED}.get(summary["status"], EXIT_FAILED)
+
+
+def cmd_bench(args) -> int:
+    from launcher import bench
+
+    path, overrides = _split_config(args.config)
+    return bench.main(path, overrides, profiles=args.profiles, out=args.out, steps=args.steps, warmup=args.warmup,
+                      find=args.find)
+
+
+def cmd_export(args) -> int:
+    from launcher.export import export
+
+    print(export(args.run_dir, args.out, merge=args.merge))
+    return 0
+
+
+def cmd_config_reference(_args) -> int:
+    from launcher.config import reference_markdown
+
+    print(reference_markdown())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vramfit", description="Fit mixed-precision fine-tuning into a small GPU.",
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("doctor", help="what this machine can run (GPUs, RAM, ulimit -l, DeepSpeed ops)")
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+    d.add_argument("--build-ops", action="store_true", help="JIT-build DeepSpeed's CPU Adam op now (a few minutes)")
+    d.set_defaults(fn=cmd_doctor)
+
+    pr = sub.add_parser("profiles", help="write ds_configs/*.json from the catalogue, or --check them")
+    pr.add_argument("--check", action="store_true", help="fail when ds_configs/ differs from the code")
+    from launcher.profiles import DS_CONFIG_DIR
+
+    pr.add_argument("--dir", default=DS_CONFIG_DIR, help="where the JSON files live (default: %(default)s)")
+    pr.set_defaults(fn=cmd_profiles)
+
+    for name, fn, hlp in (("train", cmd_train, "train (no CONFIG: the built-in demo)"),
+                          ("plan", cmd_plan, "predict GPU and CPU memory for every profile and pick one")):
+        s = sub.add_parser(name, help=hlp, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        s.add_argument("config", nargs="*", metavar="[CONFIG] [key=value ...]")
+        if name == "plan":
+            s.add_argument("--json", action="store_true", help="machine-readable output")
+        s.set_defaults(fn=fn)
+
+    b = sub.add_parser("bench", help="the same workload under several profiles, each in its own process")
+    b.add_argument("config", nargs="*", metavar="[CONFIG] [key=value ...]")
+    b.add_argument("--profiles", default=None, help="comma-separated profile names (default: every one that applies)")
+    b.add_argument("--out", default="bench-out", help="output directory (default: %(default)s)")
+    b.add_argument("--steps", type=int, default=10, help="timed steps per profile (default: %(default)s)")
+    b.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps (default: %(default)s)")
+    b.add_argument("--find", choices=("micro-batch", "model"), default=None,
+                   help="per profile, find the largest micro-batch or size preset that fits the GPU budget")
+    b.set_defaults(fn=cmd_bench)
+
+    e = sub.add_parser("export", help="write a standalone model from a run (merging a LoRA adapter)")
+    e.add_argument("run_dir")
+    e.add_argument("--out", required=True, help="directory to write (must not exist)")
+    e.add_argument("--merge", action="store_true", help="merge the LoRA adapter into the base weights")
+    e.set_defaults(fn=cmd_export)
+
+    c = sub.add_parser("config-reference", help="print every config key with its default and meaning")
+    c.set_defaults(fn=cmd_config_reference)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = strip_local_rank(list(sys.argv[1:] if argv is None else argv))
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except ConfigError as e:
+        print(f"vramfit: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""The plain torch path: fp32 master weights, ``torch.autocast`` in fp16/bf16, ``GradScaler`` for fp16.
+
+One mixed-precision branch: the scaler is enabled only for fp16 and uses the same numbers as the
+DeepSpeed fp16 profiles (init 2**16, growth interval 1000, backoff 0.5).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from launcher.engines.base import StepResult, autocast_dtype, batch_to
+
+
+def make_optimizer(params_or_groups, *, lr: float, betas, eps: float, device: torch.device, kind: str = "adamw"):
+    """(optimizer, name): fused AdamW where torch has it for this device, else foreach; or bitsandbytes 8-bit."""
+    if kind == "adamw8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params_or_groups, lr=lr, betas=betas, eps=eps), "bitsandbytes.optim.AdamW8bit"
+    try:
+        opt = torch.optim.AdamW(params_or_groups, lr=lr, betas=betas, eps=eps, fused=True)
+        return opt, "torch.optim.AdamW(fused=True)"
+    except (RuntimeError, TypeError):  # device without a fused kernel
+        return torch.optim.AdamW(params_or_groups, lr=lr, betas=betas, eps=eps, foreach=True), "torch.optim.AdamW(foreach=True)"
+
+
+def make_scaler(device: torch.device, precision: str, loss_scale) -> torch.amp.GradScaler:
+    return torch.amp.GradScaler(device.type, init_scale=2.0 ** loss_scale.initial_power, growth_factor=2.0,
+                                backoff_factor=0.5, growth_interval=loss_scale.window,
+                                enabled=precision == "fp16")
+
+
+class AmpEngine:
+    name = "amp"
+
+    def __init__(self, model: torch.nn.Module, *, precision: str, device: torch.device, param_groups: list[dict],
+                 lr: float, betas, eps: float, grad_clip: float, loss_scale, optimizer: str = "adamw"):
+        self.device = device
+        self.precision = precision
+        self.dtype = autocast_dtype(precision)
+        self.model = model.to(device)
+        self.model.train()
+        self.params = [p for g in param_groups for p in g["params"]]
+        self.optimizer, self.optimizer_name = make_optimizer(param_groups, lr=lr, betas=betas, eps=eps, device=device,
+                                                             kind=optimizer)
+        self.scaler = make_scaler(device, precision, loss_scale)
+        self.min_scale = float(loss_scale.min_scale)
+        self.grad_clip = grad_clip
+
+    def _forward(self, batch: dict):
+        with torch.autocast(self.device.type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None):
+            return self.model(**batch_to(batch, self.device))
+
+    def forward_backward(self, batch: dict, accumulation: int) -> torch.Tensor:
+        loss = self._forward(batch).loss
+        self.scaler.scale(loss / accumulation).backward()
+        return loss.detach().float()
+
+    def step(self, lr: float) -> StepResult:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.scaler.unscale_(self.optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip if self.grad_clip > 0 else float("inf"))
+        norm = float(norm)
+        scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
+        self.scaler.step(self.optimizer)  # skipped by the scaler when grads hold inf/nan
+        self.scaler.update()
+        if self.scaler.is_enabled() and self.scaler.get_scale() < self.min_scale:
+            self.scaler.update(self.min_scale)  # same floor as DeepSpeed's min_loss_scale
+        self.optimizer.zero_grad(set_to_none=True)
+        skipped = scale is not None and not math.isfinite(norm)
+        return StepResult(skipped=skipped, loss_scale=self.scaler.get_scale() if scale is not None else None,
+                          grad_norm=norm)
+
+    @torch.no_grad()
+    def eval_loss(self, batch: dict) -> float:
+        self.model.eval()
+        try:
+            return float(self._forward(batch).loss)
+        finally:
+            self.model.train()
+
+    def save(self, directory: str, client_state: dict) -> None:
+        trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        state = {k: v for k, v in self.model.state_dict().items() if k in trainable} if len(trainable) < sum(
+            1 for _ in self.model.parameters()) else self.model.state_dict()
+        torch.save({"model": state, "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
+                    "client_state": client_state}, os.path.join(directory, "engine.pt"))
+
+    def load(self, directory: str) -> dict:
+        blob = torch.load(os.path.join(directory, "engine.pt"), map_location="cpu", weights_only=False)
+        self.model.load_state_dict(blob["model"], strict=False)
+        self.optimizer.load_state_dict(blob["optimizer"])
+        self.scaler.load_state_dict(blob["scaler"])
+        return blob["client_state"]
+
+    def save_final(self, directory: str) -> None:
+        from launcher.models import save_final
+
+        save_final(self.model, directory)
+
+    def module(self) -> torch.nn.Module:
+        return self.model

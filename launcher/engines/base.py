@@ -1,0 +1,55 @@
+"""The engine protocol: what differs between DeepSpeed, torch AMP and FSDP, and nothing else.
+
+The training loop owns accumulation, the schedule (it passes the lr to ``step``), logging,
+checkpoint cadence, signals and the OOM ladder. An engine owns the model wrapper, the optimizer,
+mixed precision and loss scaling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class StepResult:
+    skipped: bool  # fp16 overflow: the scaler skipped the update
+    loss_scale: float | None  # None when no loss scaling (bf16, fp32)
+    grad_norm: float | None  # global norm before clipping (None where the engine cannot tell)
+
+
+class Engine(Protocol):
+    name: str  # 'amp' | 'deepspeed' | 'fsdp'
+    optimizer_name: str  # e.g. 'torch.optim.AdamW(fused)', 'DeepSpeedCPUAdam'
+    device: torch.device
+
+    def forward_backward(self, batch: dict, accumulation: int) -> torch.Tensor:
+        """Forward and backward one micro-batch; the loss is divided by ``accumulation``. Returns the
+        micro-batch loss (undivided, detached)."""
+
+    def step(self, lr: float) -> StepResult:
+        """Apply the accumulated gradients with learning rate ``lr`` (clip, unscale, update, zero)."""
+
+    def eval_loss(self, batch: dict) -> float: ...
+
+    def save(self, directory: str, client_state: dict) -> None:
+        """Model + optimizer + scaler state, and ``client_state`` (step, data position, RNG)."""
+
+    def load(self, directory: str) -> dict:
+        """Restore what ``save`` wrote; returns the client state."""
+
+    def save_final(self, directory: str) -> None:
+        """HF ``save_pretrained`` weights (16-bit gathered under ZeRO-3), or the adapter."""
+
+    def module(self) -> torch.nn.Module:
+        """The underlying (unwrapped) HF model, for generation and inspection."""
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
+
+
+def batch_to(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}

@@ -1,0 +1,96 @@
+"""DeepSpeed ZeRO (stage 2 and 3, optimizer and parameter offload) behind the engine protocol.
+
+The config DeepSpeed receives is fully resolved by :func:`launcher.profiles.resolve_ds_config` (no
+``"auto"``); the loop owns the schedule and sets the lr on the optimizer's param groups each step.
+DeepSpeed wants ``engine.step()`` after every micro-batch; it only updates at the accumulation
+boundary, so ``forward_backward`` calls it for the non-boundary micro-batches.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+from launcher.engines.base import StepResult, batch_to
+
+
+def ensure_dist_env() -> None:
+    """Single-process defaults so ``python launcher/run.py`` works without a launcher."""
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(k, v)
+
+
+def optimizer_name(opt) -> str:
+    inner = getattr(opt, "optimizer", opt)
+    return type(inner).__name__
+
+
+class DeepSpeedEngine:
+    name = "deepspeed"
+
+    def __init__(self, model: torch.nn.Module, *, ds_config: dict, param_groups: list[dict], device: torch.device):
+        import deepspeed
+
+        ensure_dist_env()
+        if not torch.distributed.is_initialized():
+            deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+        self.ds_config = ds_config
+        self.device = device
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups,
+                                                                 config=ds_config)
+        self.optimizer_name = optimizer_name(self.optimizer)
+        self.fp16 = bool(ds_config.get("fp16", {}).get("enabled"))
+        self._micro = 0
+
+    def forward_backward(self, batch: dict, accumulation: int) -> torch.Tensor:
+        out = self.engine(**batch_to(batch, self.engine.device))
+        self.engine.backward(out.loss)
+        self._micro += 1
+        if self._micro < accumulation:
+            self.engine.step()  # not a boundary: DeepSpeed only counts the micro-step
+        return out.loss.detach().float()
+
+    def step(self, lr: float) -> StepResult:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.engine.step()
+        self._micro = 0
+        norm = self.engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else None
+        scale = float(self.optimizer.cur_scale) if self.fp16 and hasattr(self.optimizer, "cur_scale") else None
+        return StepResult(skipped=not self.engine.was_step_applied(), loss_scale=scale, grad_norm=norm)
+
+    @torch.no_grad()
+    def eval_loss(self, batch: dict) -> float:
+        self.engine.eval()
+        try:
+            return float(self.engine(**batch_to(batch, self.engine.device)).loss)
+        finally:
+            self.engine.train()
+
+    def save(self, directory: str, client_state: dict) -> None:
+        self.engine.save_checkpoint(directory, tag="ds", client_state={"vramfit": client_state})
+
+    def load(self, directory: str) -> dict:
+        _path, client = self.engine.load_checkpoint(directory, tag="ds", load_optimizer_states=True,
+                                                    load_lr_scheduler_states=False)
+        if client is None:
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint in {directory}")
+        return client["vramfit"]
+
+    def save_final(self, directory: str) -> None:
+        from launcher.models import save_final
+
+        # Under ZeRO-3 the 16-bit weights are gathered onto rank 0 (stage3_gather_16bit_weights_on_model_save).
+        state = self.engine._zero3_consolidated_16bit_state_dict() if self.engine.zero_optimization_stage() == 3 else None
+        if torch.distributed.get_rank() == 0:
+            save_final(self.engine.module, directory, state_dict=state)
+
+    def module(self) -> torch.nn.Module:
+        return self.engine.module

@@ -1,0 +1,193 @@
+"""The hardware probe: what this machine can run, read once before anything is loaded.
+
+Everything here shows in ``vramfit doctor --json``. bf16 support is decided by compute capability
+(>= 8.0, Ampere and newer), not by ``torch.cuda.is_bf16_supported()``, which answers yes on a T4
+through emulation.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import resource
+import shutil
+from dataclasses import asdict, dataclass, field
+
+GiB = 1024**3
+
+
+@dataclass
+class GPUInfo:
+    index: int
+    name: str
+    total_bytes: int
+    free_bytes: int
+    capability: tuple[int, int]
+    fp16: bool
+    bf16: bool
+
+
+@dataclass
+class Hardware:
+    gpus: list[GPUInfo] = field(default_factory=list)
+    ram_total_bytes: int = 0
+    ram_available_bytes: int = 0
+    swap_total_bytes: int = 0
+    swap_free_bytes: int = 0
+    memlock_limit_bytes: int | None = None  # `ulimit -l`; None = unlimited
+    shm_free_bytes: int | None = None
+    cpu_count: int = 1
+    python: str = ""
+    torch: str = ""
+    cuda: str | None = None
+    deepspeed: str | None = None
+    deepspeed_error: str | None = None
+    cpu_adam: str = "unknown"  # 'built' | 'buildable' | 'unavailable: why'
+    transformers: str | None = None
+    peft: str | None = None
+    bitsandbytes: str | None = None
+
+    @property
+    def has_cuda(self) -> bool:
+        return bool(self.gpus)
+
+    def gpu(self, index: int = 0) -> GPUInfo | None:
+        return self.gpus[index] if index < len(self.gpus) else None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["has_cuda"] = self.has_cuda
+        return d
+
+
+def supports_bf16(capability: tuple[int, int]) -> bool:
+    return capability[0] >= 8
+
+
+def _version(mod: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(mod)
+    except Exception:
+        return None
+
+
+def deepspeed_status() -> tuple[str | None, str | None]:
+    """(version, error): DeepSpeed is usable when it imports; the error says why not."""
+    if os.environ.get("VRAMFIT_DISABLE_DEEPSPEED"):
+        return None, "disabled by VRAMFIT_DISABLE_DEEPSPEED"
+    if importlib.util.find_spec("deepspeed") is None:
+        return None, "not installed (pip install 'vramfit[deepspeed]')"
+    try:
+        import deepspeed  # noqa: F401
+
+        return deepspeed.__version__, None
+    except Exception as e:  # a broken install raises all sorts of things
+        return None, f"import failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def cpu_adam_status() -> str:
+    """Whether DeepSpeed's CPU Adam op is built already or can be JIT-built (compiler + ninja)."""
+    ver, err = deepspeed_status()
+    if err:
+        return f"unavailable: deepspeed {err}"
+    try:
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+
+        b = CPUAdamBuilder()
+        if getattr(b, "is_compatible", lambda verbose=False: True)(False) is False:
+            return "unavailable: not compatible with this system"
+        cache = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/torch_extensions")
+        for root, _dirs, files in os.walk(cache):
+            if any(f.startswith("cpu_adam") and f.endswith(".so") for f in files):
+                return "built"
+        if shutil.which("ninja") is None and importlib.util.find_spec("ninja") is None:
+            return "unavailable: ninja not found (pip install ninja)"
+        if shutil.which(os.environ.get("CXX", "c++")) is None:
+            return "unavailable: no C++ compiler (apt-get install g++)"
+        return "buildable (JIT on first use, a few minutes)"
+    except Exception as e:
+        return f"unavailable: {type(e).__name__}: {e}"
+
+
+def memlock_limit() -> int | None:
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def probe(with_cpu_adam: bool = False) -> Hardware:
+    import psutil
+    import torch
+
+    hw = Hardware()
+    vm, sw = psutil.virtual_memory(), psutil.swap_memory()
+    hw.ram_total_bytes, hw.ram_available_bytes = int(vm.total), int(vm.available)
+    hw.swap_total_bytes, hw.swap_free_bytes = int(sw.total), int(sw.free)
+    hw.memlock_limit_bytes = memlock_limit()
+    if os.path.isdir("/dev/shm"):
+        hw.shm_free_bytes = int(shutil.disk_usage("/dev/shm").free)
+    hw.cpu_count = os.cpu_count() or 1
+    hw.python = platform.python_version()
+    hw.torch = torch.__version__
+    hw.cuda = torch.version.cuda
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            free, total = torch.cuda.mem_get_info(i)
+            cap = (props.major, props.minor)
+            hw.gpus.append(GPUInfo(i, props.name, int(total), int(free), cap, fp16=cap[0] >= 6, bf16=supports_bf16(cap)))
+    hw.deepspeed, hw.deepspeed_error = deepspeed_status()
+    hw.cpu_adam = cpu_adam_status() if with_cpu_adam else "not checked"
+    hw.transformers, hw.peft, hw.bitsandbytes = _version("transformers"), _version("peft"), _version("bitsandbytes")
+    return hw
+
+
+def pin_memory_ok(hw: Hardware, pinned_bytes: int) -> tuple[bool, str]:
+    """Pinned (page-locked) host memory only when ``ulimit -l`` and free RAM allow it."""
+    if not hw.has_cuda:
+        return False, "no CUDA device: pinned memory brings nothing"
+    if hw.memlock_limit_bytes is not None and hw.memlock_limit_bytes < pinned_bytes:
+        return False, (f"ulimit -l is {hw.memlock_limit_bytes / GiB:.2f} GiB < {pinned_bytes / GiB:.2f} GiB to pin; "
+                       "pin_memory off (raise it with `ulimit -l unlimited` or docker --ulimit memlock=-1)")
+    if pinned_bytes > 0.5 * hw.ram_available_bytes:
+        return False, (f"pinning {pinned_bytes / GiB:.2f} GiB would lock over half of the "
+                       f"{hw.ram_available_bytes / GiB:.2f} GiB available RAM; pin_memory off")
+    return True, "ulimit -l and free RAM allow it"
+
+
+def format_report(hw: Hardware) -> str:
+    def gb(x):
+        return "n/a" if x is None else f"{x / GiB:.1f} GiB"
+
+    lines = []
+    if hw.gpus:
+        for g in hw.gpus:
+            lines.append(f"GPU {g.index}: {g.name}, {gb(g.free_bytes)} free of {gb(g.total_bytes)}, "
+                         f"compute {g.capability[0]}.{g.capability[1]}, fp16 {'yes' if g.fp16 else 'no'}, "
+                         f"bf16 {'yes' if g.bf16 else 'no (capability < 8.0)'}")
+    else:
+        lines.append("GPU: none (training runs on the CPU)")
+    lines.append(f"RAM: {gb(hw.ram_available_bytes)} available of {gb(hw.ram_total_bytes)}; "
+                 f"swap {gb(hw.swap_free_bytes)} free of {gb(hw.swap_total_bytes)}")
+    lines.append(f"ulimit -l: {'unlimited' if hw.memlock_limit_bytes is None else gb(hw.memlock_limit_bytes)}; "
+                 f"/dev/shm free: {gb(hw.shm_free_bytes)}; CPUs: {hw.cpu_count}")
+    lines.append(f"python {hw.python}, torch {hw.torch}, CUDA {hw.cuda or 'none'}, "
+                 f"transformers {hw.transformers}, peft {hw.peft}, bitsandbytes {hw.bitsandbytes or 'not installed'}")
+    lines.append(f"deepspeed: {hw.deepspeed or hw.deepspeed_error}; CPU Adam op: {hw.cpu_adam}")
+    return "\n".join(lines)
+
+
+def build_cpu_adam() -> str:
+    """JIT-build DeepSpeed's CPU Adam op now, so that the first offload run does not wait for it."""
+    ver, err = deepspeed_status()
+    if err:
+        return f"CPU Adam op: not built, deepspeed {err}"
+    import time
+
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    t = time.perf_counter()
+    CPUAdamBuilder().load(verbose=False)
+    return f"CPU Adam op: ready ({time.perf_counter() - t:.0f} s)"

@@ -1,0 +1,373 @@
+"""The training loop. One loop for every engine; it reads top to bottom in :func:`train`.
+
+setup (probe, resolve, plan, run directory) -> model and data -> engine -> resume -> for each step:
+micro-batches (forward + backward), step (clip, unscale, update), log, eval, checkpoint -> final
+weights, summary.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+
+from launcher import checkpoint as ckpt
+from launcher.config import Config, ConfigError, to_yaml
+from launcher.data import load_data, micro_batches
+from launcher.engines.base import StepResult
+from launcher.hardware import Hardware, pin_memory_ok, probe
+from launcher.models import DTYPES, build_model, count_params, model_config, param_groups
+from launcher.resolve import Resolved, resolve
+from launcher.rundir import RunDir, default_run_name, read_json
+
+EXIT_INTERRUPTED = 130  # documented in the README: the run saved a checkpoint and can be resumed
+EXIT_FAILED = 1
+
+
+def log(msg: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"[vramfit] {msg}", flush=True)
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Linear warmup to ``train.lr``, then cosine down to ``lr x min_lr_ratio`` at ``max_steps``."""
+    t = cfg.train
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    span = max(1, t.max_steps - t.warmup_steps)
+    progress = min(1.0, (step - t.warmup_steps) / span)
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world > 1 and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+
+    def mean(self, x: float) -> float:
+        if self.world > 1 and torch.distributed.is_initialized():
+            t = torch.tensor([x], dtype=torch.float64)
+            torch.distributed.all_reduce(t)
+            return float(t) / self.world
+        return x
+
+
+def dist_env() -> Dist:
+    return Dist(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")),
+                int(os.environ.get("LOCAL_RANK", "0")))
+
+
+@dataclass
+class Hooks:
+    """Test-only fault injection (never a user option): called with the step number."""
+    before_step: object | None = None  # fn(step, engine) -> None, may raise (fake OOM) or poison grads
+    after_step: object | None = None  # fn(step) -> None (e.g. send SIGTERM)
+
+
+@dataclass
+class State:
+    step: int = 0
+    first_loss: float | None = None
+    skipped: int = 0
+    fallbacks: list = field(default_factory=list)
+    resumed_from: str | None = None
+    tokens_seen: int = 0
+
+
+class StopRequested:
+    """SIGTERM/SIGINT: finish the optimizer step, checkpoint, exit. A second signal exits at once."""
+
+    def __init__(self):
+        self.signum = None
+        self._old = {}
+
+    def install(self):
+        for s in (signal.SIGTERM, signal.SIGINT):
+            self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, _frame):
+        if self.signum is not None:
+            os._exit(EXIT_INTERRUPTED)
+        self.signum = signum
+        log(f"{signal.Signals(signum).name}: finishing this step, then saving a checkpoint (send again to exit at once)")
+
+    def restore(self):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+    def __bool__(self):
+        return self.signum is not None
+
+
+def memory_now(device: torch.device) -> dict:
+    out = {"gpu_allocated_bytes": None, "gpu_reserved_bytes": None,
+           "cpu_rss_bytes": psutil.Process().memory_info().rss}
+    if device.type == "cuda":
+        out["gpu_allocated_bytes"] = torch.cuda.memory_allocated(device)
+        out["gpu_reserved_bytes"] = torch.cuda.memory_reserved(device)
+    return out
+
+
+def prepare_run_dir(cfg: Config, dist: Dist) -> tuple[RunDir, str | None]:
+    """The run directory, and the checkpoint to resume from (None = fresh start). Nothing is overwritten."""
+    if not cfg.run_name:
+        name = default_run_name(cfg.model.name)
+        if dist.world > 1:  # all ranks must agree on the timestamped name
+            obj = [name]
+            torch.distributed.broadcast_object_list(obj, src=0)
+            name = obj[0]
+        cfg.run_name = name
+    rd = RunDir(os.path.join(cfg.output_dir, cfg.run_name), dist.is_main)
+    resume = None
+    if cfg.checkpoint.resume not in ("auto", "never"):
+        resume = cfg.checkpoint.resume
+    elif os.path.isdir(rd.path) and os.listdir(rd.path):
+        found = ckpt.latest(rd.checkpoints)
+        summary = read_json(rd.file("summary.json")) if os.path.exists(rd.file("summary.json")) else {}
+        if cfg.checkpoint.resume == "never" or found is None:
+            raise ConfigError([f"run_name: {rd.path} already holds a run"
+                               + (" with no complete checkpoint" if found is None else "")
+                               + "; rule: a run directory is never overwritten; fix: choose another run_name"
+                               + ("" if found is None else " or checkpoint.resume=auto to continue it")])
+        step = ckpt.read_marker(found)["step"]
+        if summary.get("status") == "completed" and step >= cfg.train.max_steps:
+            raise ConfigError([f"run_name: {rd.path} already completed {step} steps; rule: a finished run is not "
+                               f"overwritten; fix: another run_name, or train.max_steps > {step} to continue it"])
+        resume = found
+    rd.create()
+    return rd, resume
+
+
+def build_engine(cfg: Config, res: Resolved, model, hw: Hardware, hidden_size: int):
+    groups = param_groups(model, cfg.train.weight_decay)
+    t = cfg.train
+    betas = (t.beta1, t.beta2)
+    if res.engine == "deepspeed":
+        from launcher.engines.deepspeed import DeepSpeedEngine
+        from launcher.profiles import resolve_ds_config
+
+        n_train = sum(p.numel() for g in groups for p in g["params"])
+        pin, why = pin_memory_ok(hw, 16 * n_train) if res.profile.offloads else (False, "")
+        if res.profile.offloads:
+            log(f"pin_memory {'on' if pin else 'off'}: {why}")
+        ds_config = resolve_ds_config(res.profile, micro_batch=res.micro_batch, accumulation=res.accumulation,
+                                      world=res.world, grad_clip=t.grad_clip, lr=lr_at(0, cfg), betas=betas,
+                                      eps=t.eps, weight_decay=t.weight_decay, hidden_size=hidden_size,
+                                      pin_memory=pin, loss_scale=vars(cfg.loss_scale))
+        return DeepSpeedEngine(model, ds_config=ds_config, param_groups=groups, device=res.device), ds_config
+    if res.engine == "fsdp":
+        from launcher.engines.fsdp import FsdpEngine
+
+        return FsdpEngine(model, precision=res.precision, device=res.device, lr=lr_at(0, cfg), betas=betas,
+                          eps=t.eps, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+                          loss_scale=cfg.loss_scale), None
+    from launcher.engines.amp import AmpEngine
+
+    return AmpEngine(model, precision=res.precision, device=res.device, param_groups=groups, lr=lr_at(0, cfg),
+                     betas=betas, eps=t.eps, grad_clip=t.grad_clip, loss_scale=cfg.loss_scale,
+                     optimizer=t.optimizer), None
+
+
+def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -> dict:
+    """Run one training job end to end. Returns the summary (also written to summary.json)."""
+    hooks = hooks or Hooks()
+    dist = dist_env()
+    if dist.world > 1 and not torch.distributed.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo"
+        torch.distributed.init_process_group(backend)
+    hw = hw or probe()
+    # ---- resolve everything before loading anything
+    hf_config = model_config(cfg)
+    res = resolve(cfg, hw, dist.world)
+    for r in res.reasons:
+        log(r)
+    seq_len = cfg.data.seq_len
+    max_pos = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
+    if max_pos and seq_len > max_pos:
+        raise ConfigError([f"data.seq_len: got {seq_len}; rule: at most the model's maximum of {max_pos} positions; "
+                           f"fix: data.seq_len={max_pos}"])
+    rd, resume_from = prepare_run_dir(cfg, dist)
+    rd.write_text("config.yaml", to_yaml(cfg))
+    if res.plan is not None:
+        rd.write_json("plan.json", res.plan.to_json())
+    device = res.device
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    # ---- model and data
+    torch.manual_seed(cfg.seed)
+    weight_dtype = DTYPES[res.precision] if res.engine == "deepspeed" else torch.float32
+    model = build_model(cfg, weight_dtype, hf_config)
+    data = load_data(cfg, hf_config.vocab_size)
+    train_data, eval_data = data.split(cfg.data.eval_fraction, cfg.seed)
+    n_total, n_train = count_params(model)
+    log(f"model {cfg.model.name}: {n_total / 1e6:.2f}M parameters ({n_train / 1e6:.2f}M trainable); "
+        f"data: {len(train_data)} samples of {seq_len} tokens, {data.description}")
+    engine, ds_config = build_engine(cfg, res, model, hw, hf_config.hidden_size)
+    if ds_config is not None:
+        rd.write_json("ds_config.json", ds_config)
+    log(f"engine {engine.name}, profile {res.profile.name}, optimizer {engine.optimizer_name}, micro-batch "
+        f"{res.micro_batch} x accumulation {res.accumulation} x {dist.world} rank(s) = {cfg.train.global_batch_size}")
+    # ---- resume
+    st = State()
+    settings = ckpt.fixed_settings(cfg)
+    if resume_from:
+        marker = ckpt.read_marker(resume_from)
+        diff = ckpt.diff_settings(marker["settings"], settings)
+        if diff:
+            raise ConfigError([f"checkpoint {resume_from}: settings changed since it was written; rule: these must "
+                               f"match to resume; fix: restore them or choose another run_name. Changes: {'; '.join(diff)}"])
+        client = engine.load(resume_from)
+        st.step, st.first_loss, st.skipped = client["step"], client.get("first_loss"), client.get("skipped", 0)
+        st.fallbacks, st.tokens_seen = client.get("fallbacks", []), client.get("tokens_seen", 0)
+        ckpt.set_rng_state(client["rng"][min(dist.rank, len(client["rng"]) - 1)] if isinstance(client["rng"], list)
+                           else client["rng"])
+        st.resumed_from = resume_from
+        rd.truncate_metrics(st.step)
+        log(f"resumed from {resume_from} at step {st.step}")
+
+    def client_state() -> dict:
+        return {"step": st.step, "samples_seen": st.step * cfg.train.global_batch_size, "first_loss": st.first_loss,
+                "skipped": st.skipped, "fallbacks": st.fallbacks, "tokens_seen": st.tokens_seen, "rng": ckpt.rng_state()}
+
+    def save_checkpoint() -> str:
+        path = ckpt.save(engine, rd.checkpoints, st.step, client_state(), settings, is_main=dist.is_main,
+                         barrier=dist.barrier, keep_last=cfg.checkpoint.keep_last)
+        log(f"checkpoint {path}")
+        return path
+
+    # ---- the loop
+    stop = StopRequested().install()
+    status, diagnosis = "completed", None
+    t_start = time.perf_counter()
+    tokens_per_step = cfg.train.global_batch_size * seq_len
+    peak_rss = psutil.Process().memory_info().rss
+    loss = float("nan")
+    try:
+        while st.step < cfg.train.max_steps:
+            t0 = time.perf_counter()
+            if hooks.before_step:
+                hooks.before_step(st.step, engine)
+            losses = []
+            for rows in micro_batches(st.step, cfg.train.global_batch_size, res.micro_batch, dist.rank, dist.world,
+                                      len(train_data), cfg.seed):
+                losses.append(engine.forward_backward(train_data.batch(rows), res.accumulation))
+            lr = lr_at(st.step, cfg)
+            result: StepResult = engine.step(lr)
+            loss = dist.mean(float(torch.stack(losses).mean()))
+            st.step += 1
+            st.tokens_seen += tokens_per_step
+            st.skipped += int(result.skipped)
+            if st.first_loss is None:
+                st.first_loss = loss
+            dt = time.perf_counter() - t0
+            mem = memory_now(device)
+            peak_rss = max(peak_rss, mem["cpu_rss_bytes"])
+            row = {"step": st.step, "loss": loss, "lr": lr, "loss_scale": result.loss_scale,
+                   "skipped": result.skipped, "grad_norm": result.grad_norm, "tokens": st.tokens_seen,
+                   "tokens_per_s": tokens_per_step / dt, **mem, "time_s": time.perf_counter() - t_start}
+            rd.append_metrics(row)
+            if st.step % cfg.log.every_steps == 0 or st.step == 1 or st.step == cfg.train.max_steps:
+                log(_format_row(row, cfg.train.max_steps))
+            if not math.isfinite(loss) and not result.skipped:
+                status, diagnosis = "failed", (f"loss became {loss} at step {st.step} without a loss-scale overflow; "
+                                               f"lr was {lr:.3g}; try a lower train.lr or precision=bf16/fp32")
+                break
+            if eval_data is not None and cfg.train.eval_every and st.step % cfg.train.eval_every == 0:
+                log(f"eval loss {evaluate(engine, eval_data, res.micro_batch, dist):.4f} at step {st.step}")
+            if hooks.after_step:
+                hooks.after_step(st.step)
+            if stop:
+                status = "interrupted"
+                break
+            if cfg.checkpoint.every_steps and st.step % cfg.checkpoint.every_steps == 0 and st.step < cfg.train.max_steps:
+                save_checkpoint()
+        last_ckpt = save_checkpoint()
+    finally:
+        stop.restore()
+        rd.close()
+    elapsed = time.perf_counter() - t_start
+    # ---- outputs
+    eval_loss = evaluate(engine, eval_data, res.micro_batch, dist) if eval_data is not None else None
+    if status == "completed":
+        engine.save_final(rd.file("final"))
+    measured = [m["tokens_per_s"] for m in rd.metrics()[1:]] if dist.is_main else []
+    summary = {
+        "status": status, "engine": engine.name, "profile": res.profile.name, "precision": res.precision,
+        "device": str(device), "steps": st.step, "first_loss": st.first_loss, "final_loss": loss,
+        "eval_loss": eval_loss,
+        "tokens_per_s": (sum(measured) / len(measured)) if measured else tokens_per_step * st.step / max(elapsed, 1e-9),
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "peak_gpu_reserved_bytes": torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None,
+        "peak_cpu_rss_bytes": peak_rss,
+        "predicted_gpu_bytes": _pick(res.plan, "gpu_bytes"), "predicted_cpu_bytes": _pick(res.plan, "cpu_bytes"),
+        "skipped_steps": st.skipped, "fallbacks": st.fallbacks, "resumed_from": st.resumed_from,
+        "optimizer": engine.optimizer_name, "micro_batch": res.micro_batch, "accumulation": res.accumulation,
+        "world_size": dist.world, "global_batch_size": cfg.train.global_batch_size, "seq_len": seq_len,
+        "elapsed_s": elapsed, "checkpoint": last_ckpt, "reasons": res.reasons, "diagnosis": diagnosis,
+        "run_dir": rd.path,
+    }
+    rd.write_json("summary.json", summary)
+    _print_summary(summary)
+    return summary
+
+
+def _pick(plan, key):
+    if plan is None:
+        return None
+    for p in plan.profiles:
+        if p.profile == plan.chosen:
+            return getattr(p, key)
+    return None
+
+
+@torch.no_grad()
+def evaluate(engine, data, micro_batch: int, dist: Dist, max_batches: int = 16) -> float:
+    losses = []
+    n = len(data)
+    rows = list(range(dist.rank * micro_batch, n, micro_batch * dist.world))[:max_batches]
+    for start in rows:
+        losses.append(engine.eval_loss(data.batch(list(range(start, min(start + micro_batch, n))))))
+    return dist.mean(sum(losses) / max(1, len(losses)))
+
+
+def _fmt_bytes(x) -> str:
+    return "-" if x is None else f"{x / 2**30:.2f}G"
+
+
+def _format_row(r: dict, max_steps: int) -> str:
+    scale = "-" if r["loss_scale"] is None else f"{r['loss_scale']:.0f}"
+    norm = "-" if r["grad_norm"] is None else f"{r['grad_norm']:.2f}"
+    return (f"step {r['step']}/{max_steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | scale {scale}"
+            f"{' (skipped)' if r['skipped'] else ''} | grad norm {norm} | {r['tokens_per_s']:.0f} tok/s | "
+            f"gpu {_fmt_bytes(r['gpu_allocated_bytes'])} | rss {_fmt_bytes(r['cpu_rss_bytes'])}")
+
+
+def _print_summary(s: dict) -> None:
+    def f(x, fmt="{:.4f}"):
+        return "-" if x is None else fmt.format(x)
+
+    log(f"{s['status']}: {s['steps']} steps on {s['device']} with {s['profile']} ({s['engine']}, {s['optimizer']})")
+    log(f"loss {f(s['first_loss'])} -> {f(s['final_loss'])}"
+        + (f" (eval {f(s['eval_loss'])})" if s.get("eval_loss") is not None else "")
+        + f"; {s['tokens_per_s']:.0f} tokens/s; skipped steps {s['skipped_steps']}")
+    log(f"peak memory: GPU {_fmt_bytes(s['peak_gpu_bytes'])} (planned {_fmt_bytes(s['predicted_gpu_bytes'])}), "
+        f"CPU RSS {_fmt_bytes(s['peak_cpu_rss_bytes'])} (planned {_fmt_bytes(s['predicted_cpu_bytes'])})")
+    if s.get("diagnosis"):
+        log(f"diagnosis: {s['diagnosis']}")
+    log(f"run directory: {s['run_dir']}")
