@@ -48,9 +48,9 @@ def cmd_doctor(args) -> int:
 
     hw = probe(with_cpu_adam=True)
     if args.build_ops:
-        from launcher.hardware import build_cpu_adam
+        from launcher.hardware import build_ops
 
-        print(build_cpu_adam())
+        print(build_ops())
         hw = probe(with_cpu_adam=True)
     if args.json:
         print(json.dumps(hw.to_dict(), indent=2))
@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("doctor", help="what this machine can run (GPUs, RAM, ulimit -l, DeepSpeed ops)")
     d.add_argument("--json", action="store_true", help="machine-readable output")
-    d.add_argument("--build-ops", action="store_true", help="JIT-build DeepSpeed's CPU Adam op now (a few minutes)")
+    d.add_argument("--build-ops", action="store_true", help="JIT-build DeepSpeed's ops (CPU Adam) now, a few minutes once")
     d.set_defaults(fn=cmd_doctor)
 
     pr = sub.add_parser("profiles", help="write ds_configs/*.json from the catalogue, or --check them")

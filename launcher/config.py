@@ -241,7 +241,7 @@ def _build(cls, raw: dict, prefix: str, problems: list[str]):
     for key, value in raw.items():
         full = f"{prefix}{key}"
         if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
             hint = f"did you mean {prefix}{close[0]}?" if close else f"known keys here: {', '.join(fields)}"
             problems.append(f"{full}: unknown key; rule: only schema keys are accepted; fix: {hint}")
             continue

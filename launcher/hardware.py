@@ -179,15 +179,28 @@ def format_report(hw: Hardware) -> str:
     return "\n".join(lines)
 
 
-def build_cpu_adam() -> str:
-    """JIT-build DeepSpeed's CPU Adam op now, so that the first offload run does not wait for it."""
+def build_ops() -> str:
+    """JIT-build the DeepSpeed ops vramfit uses (CPU Adam; FusedAdam and the shared-memory comm op on a
+    CPU-only host) now, so that the first run does not wait minutes for the compiler."""
     ver, err = deepspeed_status()
     if err:
-        return f"CPU Adam op: not built, deepspeed {err}"
+        return f"DeepSpeed ops: not built, deepspeed {err}"
     import time
 
-    from deepspeed.ops.op_builder import CPUAdamBuilder
+    from deepspeed.accelerator import get_accelerator
 
-    t = time.perf_counter()
-    CPUAdamBuilder().load(verbose=False)
-    return f"CPU Adam op: ready ({time.perf_counter() - t:.0f} s)"
+    acc = get_accelerator()
+    names = ["CPUAdamBuilder"] + (["FusedAdamBuilder", "ShareMemCommBuilder"] if acc.device_name() == "cpu" else [])
+    lines = []
+    for name in names:
+        t = time.perf_counter()
+        try:
+            builder = acc.create_op_builder(name)
+            if builder is None:
+                lines.append(f"{name}: not used by the {acc.device_name()} accelerator")
+                continue
+            builder.load(verbose=False)
+            lines.append(f"{name}: ready ({time.perf_counter() - t:.0f} s)")
+        except Exception as e:  # report, do not hide: the run would fail the same way later
+            lines.append(f"{name}: FAILED: {type(e).__name__}: {e}")
+    return "DeepSpeed ops:\n  " + "\n  ".join(lines)
