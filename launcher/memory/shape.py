@@ -1,0 +1,227 @@
+"""Model shape without weights: build any transformers causal LM on the meta device and count its parameters.
+
+Counting is done on copies of the config cut to 1 and 2 decoder layers and extrapolated to the real depth
+(``q(L) = q(1) + (L - 1) * (q(2) - q(1))``), because decoder layers are identical. That keeps a 70B shape
+at a fraction of a second, where building all 80 meta layers costs seconds and wrapping them in peft
+another ten. Models whose layers differ (mixture-of-experts every other layer, ...) would need a longer
+period; none of the presets does.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+ALL_LINEAR = "all-linear"
+
+
+def resolve_model_config(name: str, trust_remote_code: bool = False):
+    """A preset name (``launcher.presets``) or anything ``AutoConfig.from_pretrained`` accepts."""
+    from launcher.presets import PRESETS, preset_config
+
+    if name in PRESETS:
+        return preset_config(name)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+
+
+def num_layers(config) -> int:
+    return int(config.num_hidden_layers)
+
+
+def with_depth(config, n: int):
+    """A copy of ``config`` with ``n`` decoder layers (per-layer lists such as ``layer_types`` cut too)."""
+    cfg = copy.deepcopy(config)
+    full = num_layers(config)
+    cfg.num_hidden_layers = n
+    for key in ("layer_types",):
+        val = getattr(cfg, key, None)
+        if isinstance(val, (list, tuple)) and len(val) == full:
+            setattr(cfg, key, type(val)(val[:n]))
+    return cfg
+
+
+def _linear_classes() -> tuple:
+    from transformers.pytorch_utils import Conv1D
+
+    return (nn.Linear, Conv1D)
+
+
+def linear_in_out(module: nn.Module) -> tuple[int, int]:
+    """(in_features, out_features) of an ``nn.Linear`` or a transformers ``Conv1D`` (GPT-2's, weight is in x out)."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    w = module.weight
+    return int(w.shape[0]), int(w.shape[1])
+
+
+def lora_target_names(model: nn.Module, targets=(ALL_LINEAR,)) -> list[str]:
+    """Names of the modules LoRA adapts, resolved the way peft does.
+
+    ``all-linear``: every ``nn.Linear``/``Conv1D`` except the output embedding (lm_head). Otherwise a
+    module matches when its name equals a target or ends with ``.<target>``, restricted to linear modules.
+    """
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    linear = _linear_classes()
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, linear):
+            continue
+        if any(t.lower() == ALL_LINEAR for t in targets):
+            if mod is not out_emb:
+                names.append(name)
+        elif any(name == t or name.endswith("." + t) for t in targets):
+            names.append(name)
+    return names
+
+
+def build_meta_model(config, *, attn_implementation: str = "eager", dtype: torch.dtype = torch.float32,
+                     lora_r: int = 0, lora_targets=(ALL_LINEAR,), lora_dropout: float = 0.0,
+                     adapter_dtype: torch.dtype | None = None, trust_remote_code: bool = False) -> nn.Module:
+    """The model of ``config`` on the meta device, parameters in ``dtype``; LoRA adapters (peft) when ``lora_r``.
+
+    ``adapter_dtype``: dtype of the adapter weights (default: fp32, what peft does over a 16-bit base).
+    """
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype,
+                                                 trust_remote_code=trust_remote_code)
+    if lora_r:
+        from peft import LoraConfig, get_peft_model
+
+        names = lora_target_names(model, lora_targets)
+        if not names:
+            raise ValueError(f"lora.target_modules={list(lora_targets)} matches no linear module of "
+                             f"{type(model).__name__}")
+        model = get_peft_model(model, LoraConfig(r=lora_r, lora_alpha=lora_r, lora_dropout=lora_dropout,
+                                                 target_modules=names))
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.data = p.data.to(adapter_dtype or torch.float32)
+    return model
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The transformers model under a peft wrapper (or the model itself)."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The ``nn.ModuleList`` of decoder layers: the one whose length is ``config.num_hidden_layers``."""
+    base = base_model(model)
+    n = num_layers(base.config)
+    best = None
+    for _name, mod in base.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) == n:
+            size = sum(p.numel() for p in mod.parameters())
+            if best is None or size > best[0]:
+                best = (size, mod)
+    if best is None:
+        raise ValueError(f"cannot find the decoder layers of {type(base).__name__} "
+                         f"(no ModuleList of {n} = num_hidden_layers modules)")
+    return best[1]
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts (elements, not bytes) of the full-depth model."""
+
+    total: int  # every parameter, tied ones once
+    embeddings: int  # input embeddings (and learned position embeddings)
+    layers: int  # all decoder layers together
+    per_layer: int  # one decoder layer
+    head: int  # output embedding (0 when tied to the input embedding)
+    other: int  # final norm and anything else outside the layers
+    linear_weights: int  # weights of the layers' linear modules (what 4-bit/8-bit quantization shrinks)
+    trainable: int  # total for a full fine-tune; the adapters with LoRA
+    adapters: int  # LoRA parameters (0 without LoRA)
+    adapters_per_layer: int
+    largest_param: int  # elements of the largest single tensor (DeepSpeed sizes a buffer by it)
+    largest_module: int  # most direct parameters of one module (ZeRO-3 gathers per module)
+    num_layers: int
+    tied_embeddings: bool
+
+    @property
+    def frozen(self) -> int:
+        return self.total - self.trainable
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _count_one(model: nn.Module, lora_r: int, lora_targets) -> dict:
+    params = {id(p): p for p in model.parameters()}
+    total = sum(p.numel() for p in params.values())
+    emb_mod = model.get_input_embeddings()
+    emb_ids = {id(p) for p in emb_mod.parameters()}
+    layers = decoder_layers(model)
+    layer_ids = {id(p) for p in layers.parameters()}
+    # learned absolute position embeddings (GPT-2 wpe, OPT) count with the embeddings
+    for mod in model.modules():
+        if isinstance(mod, nn.Embedding) and mod is not emb_mod and not any(id(p) in layer_ids for p in mod.parameters()):
+            emb_ids |= {id(p) for p in mod.parameters()}
+    out_mod = model.get_output_embeddings()
+    head_ids = {id(p) for p in out_mod.parameters()} - emb_ids if out_mod is not None else set()
+    tied = out_mod is not None and any(id(p) in emb_ids for p in out_mod.parameters())
+    n = lambda ids: sum(params[i].numel() for i in ids if i in params)  # noqa: E731
+    linear = 0
+    for mod in layers.modules():
+        if isinstance(mod, _linear_classes()):
+            linear += mod.weight.numel()
+    adapters = 0
+    if lora_r:
+        for name in lora_target_names(model, lora_targets):
+            mod = model.get_submodule(name)
+            i, o = linear_in_out(mod)
+            adapters += lora_r * (i + o)
+    largest_module = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    return dict(total=total, embeddings=n(emb_ids), layers=n(layer_ids), head=n(head_ids),
+                other=total - n(emb_ids) - n(layer_ids) - n(head_ids), linear_weights=linear,
+                adapters=adapters, largest_param=max(p.numel() for p in params.values()),
+                largest_module=largest_module, tied=tied)
+
+
+_COUNT_CACHE: dict = {}
+
+
+def config_key(config) -> str:
+    """A hashable identity of a transformers config (class and full JSON), for caches."""
+    cls = type(config)
+    return f"{cls.__module__}.{cls.__qualname__}:" + config.to_json_string(use_diff=False)
+
+
+def _count(config, lora_r: int, lora_targets: tuple, trust_remote_code: bool) -> ParamCounts:
+    full = num_layers(config)
+    one = _count_one(build_meta_model(with_depth(config, 1), trust_remote_code=trust_remote_code), lora_r, lora_targets)
+    two = _count_one(build_meta_model(with_depth(config, 2), trust_remote_code=trust_remote_code), lora_r,
+                     lora_targets) if full > 1 else one
+
+    def ext(key):
+        return one[key] + (full - 1) * (two[key] - one[key])
+
+    total = ext("total")
+    adapters = ext("adapters")
+    return ParamCounts(total=total, embeddings=ext("embeddings"), layers=ext("layers"),
+                       per_layer=two["layers"] - one["layers"] if full > 1 else one["layers"],
+                       head=ext("head"), other=ext("other"), linear_weights=ext("linear_weights"),
+                       trainable=adapters if lora_r else total, adapters=adapters,
+                       adapters_per_layer=(two["adapters"] - one["adapters"]) if full > 1 else one["adapters"],
+                       largest_param=max(one["largest_param"], two["largest_param"]),
+                       largest_module=max(one["largest_module"], two["largest_module"]),
+                       num_layers=full, tied_embeddings=bool(one["tied"]))
+
+
+def count_params(config, lora_r: int = 0, lora_targets=(ALL_LINEAR,), trust_remote_code: bool = False) -> ParamCounts:
+    """Parameter counts of ``config`` at full depth, with LoRA adapters of rank ``lora_r`` when > 0."""
+    targets = (lora_targets,) if isinstance(lora_targets, str) else tuple(lora_targets)
+    key = (config_key(config), int(lora_r), targets if lora_r else (), bool(trust_remote_code))
+    if key not in _COUNT_CACHE:
+        _COUNT_CACHE[key] = _count(config, int(lora_r), targets, bool(trust_remote_code))
+    return _COUNT_CACHE[key]

@@ -1,0 +1,617 @@
+"""Activation memory, measured: one forward + backward traced on the meta device.
+
+What is measured, for one concrete model (meta or real, :func:`measure_step`):
+
+* **saved bytes**: every tensor autograd saves for backward (``saved_tensors_hooks``), de-duplicated by
+  storage (``untyped_storage()._cdata``: on meta every ``data_ptr()`` is 0), parameters left out, and
+  attributed to the region that saved it: ``embeddings``, ``layer<i>``, ``head`` (final norm, lm_head,
+  logits, loss) or ``other`` (rotary tables, masks).
+* **the live-bytes timeline**: a ``TorchDispatchMode`` sees every storage the step creates (forward,
+  backward, gradient-checkpointing recompute) and drops it when its weakref dies, so the peak of live
+  bytes -- what ``torch.cuda.max_memory_allocated`` sees on top of the model states -- is measured, not
+  summed. Each storage keeps the category it was born in, so the peak splits into activations, logits and
+  loss, autocast weight copies and parameter gradients.
+
+Two things the meta device does not do the way the GPU will, emulated here on purpose:
+
+* **Attention kernel.** On meta, ``scaled_dot_product_attention`` runs the math fallback and saves the
+  whole ``b x heads x s x s`` probability matrix. A CUDA GPU runs a fused kernel (flash, memory-efficient
+  or cuDNN) that keeps only the output and a float32 log-sum-exp. With ``fused_attention`` the call is
+  replaced by an autograd function that allocates and saves exactly that (plus the fp32 ``dq``
+  accumulator flash allocates in backward). We chose emulating the kernel over subtracting the matrix
+  after the fact because the subtraction would have to know every tensor the math path creates
+  (scores, probabilities, dropout mask) for every dtype; the emulation is right by construction, and a
+  CPU test checks it against torch's own fused CPU kernel.
+* **Autocast.** ``torch.autocast`` does nothing to meta tensors. :class:`_FunctionMode` applies the
+  autocast policy itself at the ``torch.*`` function level, above autograd as the real thing is: ops on
+  the lower-precision list cast floating inputs to the autocast dtype, ops on the fp32 list cast
+  16-bit inputs up, and casts of leaf tensors that require grad (the weights) are cached until the end
+  of the forward, as autocast's weight cache is. The CUDA and CPU lists differ; the target device picks.
+  A CPU test checks the emulation against a real ``torch.autocast("cpu")`` run.
+
+Tracing a whole 7B or 70B model is not needed: :func:`estimate_activations` traces copies of the config
+cut to 2 and 3 decoder layers and extrapolates every measured number linearly in depth (layers are
+identical). The peak is taken per segment of the step (forward, loss backward, top layer, bottom layer,
+embeddings), each linear in depth, and the largest extrapolated one wins.
+
+Gradient checkpointing is traced directly: the meta trace only failed in transformers' packed-sequence
+detection (``Tensor.item()`` on the position ids, reached because checkpointing turns the KV cache off),
+which :func:`_no_packed_sequence_probe` stubs out for the trace; training batches here carry plain
+``arange`` positions, for which that probe answers "not packed" anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+import weakref
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+from launcher.memory.shape import (ALL_LINEAR, base_model, build_meta_model, config_key, decoder_layers, num_layers,
+                                   with_depth)
+
+# ------------------------------------------------------------------------------------------------
+# Autocast policy (names of torch functions), after torch's autocast_mode.cpp op lists.
+
+_MATMULS = {"linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "baddbmm", "addmm", "addbmm", "conv1d",
+            "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "conv_tbc", "prelu",
+            "scaled_dot_product_attention"}
+AUTOCAST_POLICY = {
+    "cuda": {
+        "lower": _MATMULS | {"addmv", "addr", "mv", "einsum", "chain_matmul", "multi_dot", "lstm_cell", "gru_cell",
+                             "rnn_tanh_cell", "rnn_relu_cell"},
+        "fp32": {"acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal",
+                 "rsqrt", "sinh", "tan", "pow", "__pow__", "__rpow__", "softplus", "layer_norm", "group_norm",
+                 "frobenius_norm", "nuclear_norm", "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss",
+                 "nll_loss", "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss",
+                 "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss",
+                 "multi_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm",
+                 "logsumexp", "cross_entropy"},
+        "fp32_opt_dtype": {"prod", "softmax", "log_softmax", "cumprod", "cumsum", "sum"},
+        "promote": {"addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "index_put", "scatter_add",
+                    "tensordot", "cat", "stack"},
+    },
+    "cpu": {
+        "lower": _MATMULS,
+        "fp32": {"avg_pool3d", "binary_cross_entropy", "grid_sampler", "polar", "prod", "quantile", "nanquantile",
+                 "stft", "cdist", "trace", "view_as_complex", "cholesky", "cholesky_inverse", "cholesky_solve",
+                 "inverse", "lu_solve", "orgqr", "ormqr", "pinverse", "max_pool3d", "max_unpool2d", "max_unpool3d",
+                 "adaptive_avg_pool3d", "reflection_pad1d", "reflection_pad2d", "replication_pad1d",
+                 "replication_pad2d", "replication_pad3d", "mse_loss", "cosine_embedding_loss", "nll_loss",
+                 "multilabel_margin_loss", "ctc_loss", "kl_div", "multi_margin_loss", "smooth_l1_loss",
+                 "huber_loss", "soft_margin_loss", "triplet_margin_loss", "poisson_nll_loss", "fft_fft", "fft_ifft",
+                 "fft_rfft", "fft_irfft", "linalg_cond", "linalg_matrix_rank", "linalg_solve", "linalg_cholesky",
+                 "linalg_svdvals", "linalg_eigvals", "linalg_eigvalsh", "linalg_inv", "linalg_householder_product",
+                 "linalg_tensorinv", "linalg_tensorsolve", "fake_quantize_per_tensor_affine", "geqrf",
+                 "_lu_with_info", "qr", "svd", "triangular_solve", "fractional_max_pool2d",
+                 "fractional_max_pool3d", "adaptive_max_pool3d", "multilabel_margin_loss_forward", "linalg_qr",
+                 "linalg_cholesky_ex", "linalg_svd", "linalg_eig", "linalg_eigh", "linalg_lstsq",
+                 "linalg_inv_ex"},
+        "fp32_opt_dtype": set(),
+        "promote": {"stack", "cat", "index_copy"},
+    },
+}
+_16BIT = (torch.float16, torch.bfloat16)
+
+
+def _is_castable(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+
+
+class _FusedAttention(torch.autograd.Function):
+    """What a fused SDPA kernel keeps for backward: q, k, v (already alive), the output and an fp32
+    log-sum-exp per query row. Values are not computed (this is for meta tensors and measurement)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, lse_len: int, accum_dq: bool):
+        if q.dim() == 4:  # the kernels write (batch, seq, heads, dim) and return it transposed
+            b, h, s, _ = q.shape
+            out = q.new_empty((b, s, h, v.shape[-1])).transpose(1, 2)
+        else:
+            out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
+        lse = q.new_empty(q.shape[:-2] + (lse_len,), dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.accum_dq = accum_dq
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        delta = torch.empty_like(lse)  # rowsum(dO * O), fp32, both kernels
+        dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device) if ctx.accum_dq else None
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        del delta, dq_accum
+        return dq, dk, dv, None, None
+
+
+def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                     enable_gqa=False, *, target: str, kernel: str):
+    s = query.shape[-2]
+    lse_len = -(-s // 32) * 32 if kernel == "efficient" else s
+    out = _FusedAttention.apply(query, key, value, lse_len, kernel == "flash" and target == "cuda")
+    if attn_mask is not None and attn_mask.requires_grad:  # a learned bias keeps its own gradient path
+        out = out + 0 * attn_mask.sum()
+    return out
+
+
+class _FunctionMode(TorchFunctionMode):
+    """Autocast emulation and fused-attention substitution at the torch-function level."""
+
+    def __init__(self, autocast_dtype: torch.dtype | None, policy: str, attention_kernel: str, target: str,
+                 on_cast=None):
+        super().__init__()
+        self.autocast_dtype = autocast_dtype
+        self.lists = AUTOCAST_POLICY[policy]
+        self.attention_kernel = attention_kernel  # 'math' | 'flash' | 'efficient'
+        self.target = target
+        self.enabled = autocast_dtype is not None
+        self.cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.on_cast = on_cast
+
+    def clear_cache(self):
+        self.cache.clear()
+
+    def _cast(self, t, dtype):
+        if not _is_castable(t) or t.dtype == dtype:
+            return t
+        if t.is_leaf and t.requires_grad:
+            hit = self.cache.get(id(t))
+            if hit is not None and hit[0] is t:
+                return hit[1]
+            out = t.to(dtype)
+            self.cache[id(t)] = (t, out)
+            if self.on_cast is not None:
+                self.on_cast(out)
+            return out
+        return t.to(dtype)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        name = getattr(func, "__name__", "")
+        if self.enabled:
+            lists = self.lists
+            if name in lists["lower"]:
+                args, kwargs = tree_map(lambda t: self._cast(t, self.autocast_dtype), (args, kwargs))
+            elif name in lists["fp32"]:
+                args, kwargs = tree_map(
+                    lambda t: self._cast(t, torch.float32) if _is_castable(t) and t.dtype in _16BIT else t,
+                    (args, kwargs))
+            elif name in lists["fp32_opt_dtype"]:
+                first = next((a for a in tree_leaves(args) if isinstance(a, torch.Tensor)), None)
+                has_dtype = kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args)
+                if first is not None and _is_castable(first) and not has_dtype:
+                    kwargs["dtype"] = torch.float32
+            elif name in lists["promote"]:
+                floats = [t for t in tree_leaves((args, kwargs)) if _is_castable(t)]
+                if floats:
+                    widest = functools.reduce(torch.promote_types, [t.dtype for t in floats])
+                    args, kwargs = tree_map(lambda t: self._cast(t, widest), (args, kwargs))
+        if name == "scaled_dot_product_attention" and self.attention_kernel != "math":
+            dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+            if not (self.target == "cpu" and dropout and dropout > 0):  # CPU's fused kernel has no dropout
+                return _fused_attention(*args, **kwargs, target=self.target, kernel=self.attention_kernel)
+        return func(*args, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+# The live-storage timeline
+
+
+class _Tracker(TorchDispatchMode):
+    """Live bytes of every storage created while active, by the category current at its creation."""
+
+    def __init__(self, ignore: set[int]):
+        super().__init__()
+        self.ignore = ignore
+        self.live: dict[int, list] = {}
+        self.refs: dict[int, weakref.ref] = {}
+        self.by_cat: dict[str, int] = defaultdict(int)
+        self.category = "other"
+        self.segment = "forward"
+        # per segment (forward, head_bwd, body_bwd): [peak, parts at it, peak with grads, parts at it]
+        self.segments: dict[str, list] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.track(t)
+        return out
+
+    def track(self, t: torch.Tensor, category: str | None = None):
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self.ignore:
+            return
+        if key in self.live:
+            if category is not None:
+                self.reclassify_key(key, category)
+            return
+        n = st.nbytes()
+        cat = category or self.category
+        self.live[key] = [n, cat]
+        self.by_cat[cat] += n
+        self.refs[key] = weakref.ref(st, functools.partial(self._freed, key))
+        self._update()
+
+    def reclassify(self, t: torch.Tensor, category: str):
+        self.track(t, category)
+
+    def reclassify_key(self, key: int, category: str):
+        n, old = self.live[key]
+        if old != category:
+            self.by_cat[old] -= n
+            self.by_cat[category] += n
+            self.live[key][1] = category
+            self._update()
+
+    def _freed(self, key, _ref):
+        entry = self.live.pop(key, None)
+        self.refs.pop(key, None)
+        if entry is not None:
+            self.by_cat[entry[1]] -= entry[0]
+
+    def _update(self):
+        total = sum(self.by_cat.values())
+        act = total - self.by_cat.get("param_grad", 0)
+        seg = self.segments.setdefault(self.segment, [0, {}, 0, {}])
+        if act > seg[0]:
+            seg[0] = act
+            seg[1] = {k: v for k, v in self.by_cat.items() if v and k != "param_grad"}
+        if total > seg[2]:
+            seg[2] = total
+            seg[3] = {k: v for k, v in self.by_cat.items() if v}
+
+
+# ------------------------------------------------------------------------------------------------
+# One step on one model
+
+
+@dataclass
+class StepTrace:
+    """What one forward + backward of one concrete model keeps alive (bytes)."""
+
+    saved: dict[str, int] = field(default_factory=dict)  # saved for backward, by region (see module doc)
+    autocast_cache: int = 0  # autocast copies of weights (created in the forward)
+    # Peak live bytes per segment of the step (forward, head_bwd, body_bwd): {"peak", "parts",
+    # "peak_with_grads", "parts_with_grads"}; "peak" leaves parameter gradients out, "peak_with_grads"
+    # counts them as autograd makes them.
+    segments: dict[str, dict] = field(default_factory=dict)
+    param_grads: int = 0  # bytes of all parameter gradients after backward
+    seconds: float = 0.0
+
+    @property
+    def peak(self) -> int:
+        return max((v["peak"] for v in self.segments.values()), default=0)
+
+    @property
+    def peak_parts(self) -> dict[str, int]:
+        return max(self.segments.values(), key=lambda v: v["peak"])["parts"] if self.segments else {}
+
+    @property
+    def peak_with_grads(self) -> int:
+        return max((v["peak_with_grads"] for v in self.segments.values()), default=0)
+
+    @property
+    def peak_with_grads_parts(self) -> dict[str, int]:
+        return max(self.segments.values(), key=lambda v: v["peak_with_grads"])["parts_with_grads"] \
+            if self.segments else {}
+
+    @property
+    def saved_layers(self) -> int:
+        return sum(v for k, v in self.saved.items() if k.startswith("layer"))
+
+    @property
+    def saved_total(self) -> int:
+        return sum(self.saved.values())
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@contextlib.contextmanager
+def _no_packed_sequence_probe():
+    """transformers probes position ids for packed sequences with ``.all()`` (an ``.item()``), which meta
+    tensors cannot answer; plain ``arange`` positions are never packed, so answer that for the trace."""
+    try:
+        import transformers.masking_utils as mu
+    except ImportError:  # older transformers: nothing to patch
+        yield
+        return
+    original = getattr(mu, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    mu.find_packed_sequence_indices = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        mu.find_packed_sequence_indices = original
+
+
+def _first_tensor(out):
+    for t in tree_leaves(out):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            return t
+    return None
+
+
+def _checkpoint_with_mode(checkpoint, fmode: _FunctionMode, state: dict, function, *args, **kwargs):
+    """A layer's checkpoint function whose recompute (in backward) runs under our function mode, the way
+    torch's checkpoint re-enters autocast for it; the recompute's weight casts die with it."""
+
+    def run(*a, **k):
+        if state["phase"] == "forward":
+            return function(*a, **k)
+        enabled, fmode.enabled = fmode.enabled, fmode.autocast_dtype is not None
+        active = fmode in torch.overrides._get_current_function_mode_stack()
+        try:
+            if active:
+                return function(*a, **k)
+            with fmode:
+                return function(*a, **k)
+        finally:
+            fmode.clear_cache()
+            fmode.enabled = enabled
+
+    return checkpoint(run, *args, **kwargs)
+
+
+def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: torch.dtype | None = None,
+                 autocast_policy: str = "cuda", attention_kernel: str = "math", target: str = "cuda",
+                 real_autocast: bool = False) -> StepTrace:
+    """Trace ``loss = model(input_ids, labels=input_ids).loss; loss.backward()`` and measure it.
+
+    Works on meta and on real tensors (the tests compare the two). Only the loss outlives the forward,
+    as in the training loop. ``attention_kernel``: ``math`` (what runs), ``flash`` or ``efficient``
+    (emulate that fused kernel for ``scaled_dot_product_attention``). ``real_autocast``: run the forward
+    under ``torch.autocast(autocast_policy)`` instead of the emulation (real tensors only; for the tests).
+    """
+    emulate = None if real_autocast else autocast_dtype
+    t0 = time.perf_counter()
+    top = base_model(model)
+    layers = list(decoder_layers(model))
+    emb = top.get_input_embeddings()
+    ignore = {p.untyped_storage()._cdata for p in model.parameters()}
+    ignore |= {b.untyped_storage()._cdata for b in model.buffers()}
+    tracker = _Tracker(ignore)
+    cast_keys: dict[int, int] = {}
+
+    def on_cast(t):
+        st = t.untyped_storage()
+        cast_keys[st._cdata] = st.nbytes()
+        tracker.reclassify(t, "autocast_cache")
+
+    fmode = _FunctionMode(emulate, autocast_policy, attention_kernel, target, on_cast)
+    state = {"phase": "forward", "region": "other"}
+    saved: dict[str, int] = defaultdict(int)
+    saved_keys: set[int] = set()
+
+    def set_region(region):
+        state["region"] = region
+        tracker.category = {"embeddings": "embeddings", "other": "other", "head": "head"}.get(
+            region, "layer" if region.startswith("layer") else region)
+
+    def pack(t):
+        st = t.untyped_storage()
+        key = st._cdata
+        if key not in ignore and key not in cast_keys and key not in saved_keys:
+            saved_keys.add(key)
+            saved[state["region"] if state["phase"] == "forward" else "backward"] += st.nbytes()
+        return t
+
+    hooks = []
+    restore: list[nn.Module] = []
+    # Segments of the backward, each marked by the gradient of a forward output arriving: the loss
+    # and head first (head_bwd), then the last layer (top_bwd), the middle ones, the first layer
+    # (bottom_bwd) and the embeddings (embed_bwd). Activations fall and gradients grow through the
+    # layers, so within the layers the peak sits in the top or the bottom layer's segment.
+    def segment_hook(name):
+        def hook(_grad):
+            tracker.segment = name
+            if name == "top_bwd":
+                tracker.category = "body_bwd"
+        return hook
+
+    def emb_post(m, a, o):
+        if state["phase"] == "forward":
+            set_region("other")
+            t = _first_tensor(o)
+            if t is not None:
+                t.register_hook(segment_hook("embed_bwd"))
+
+    hooks.append(emb.register_forward_pre_hook(lambda m, a: set_region("embeddings") if state["phase"] == "forward" else None))
+    hooks.append(emb.register_forward_hook(emb_post))
+
+    for i, layer in enumerate(layers):
+        last = i == len(layers) - 1
+        seg = "top_bwd" if last else ("bottom_bwd" if i == 0 else "middle_bwd")
+
+        def pre(m, a, i=i):
+            if state["phase"] == "forward":
+                set_region(f"layer{i}")
+
+        def post(m, a, o, last=last, seg=seg):
+            if state["phase"] == "forward":
+                set_region("head" if last else "other")
+                t = _first_tensor(o)
+                if t is not None:
+                    t.register_hook(segment_hook(seg))
+
+        hooks.append(layer.register_forward_pre_hook(pre))
+        hooks.append(layer.register_forward_hook(post))
+        ckpt = getattr(layer, "_gradient_checkpointing_func", None)
+        if ckpt is not None and getattr(layer, "gradient_checkpointing", False):
+            layer._gradient_checkpointing_func = functools.partial(_checkpoint_with_mode, ckpt, fmode, state)
+            restore.append(layer)
+
+    def on_grad(p):
+        if p.grad is not None:
+            tracker.reclassify(p.grad, "param_grad")
+
+    for p in model.parameters():
+        if p.requires_grad:
+            hooks.append(p.register_post_accumulate_grad_hook(on_grad))
+
+    try:
+        with _no_packed_sequence_probe(), tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            autocast = (torch.autocast(autocast_policy, dtype=autocast_dtype) if real_autocast and autocast_dtype
+                        else contextlib.nullcontext())
+            with fmode, autocast:
+                out = model(input_ids=input_ids, labels=input_ids, use_cache=False)
+            loss = out.loss
+            del out
+            # The mode is left before backward (a mode is switched off while it handles a call, so a
+            # backward it intercepted would recompute checkpointed layers without it); the layer hooks
+            # re-enter it for each recomputed layer.
+            state["phase"] = "backward"
+            fmode.clear_cache()
+            fmode.enabled = False
+            tracker.category = tracker.segment = "head_bwd"
+            loss.backward()
+            del loss
+    finally:
+        for h in hooks:
+            h.remove()
+        for layer in restore:
+            layer._gradient_checkpointing_func = layer._gradient_checkpointing_func.args[0]
+    grads = {p.grad.untyped_storage()._cdata: p.grad.untyped_storage().nbytes()
+             for p in model.parameters() if p.grad is not None}
+    autocast_cache = sum(cast_keys.values())
+    segments = {k: {"peak": v[0], "parts": v[1], "peak_with_grads": v[2], "parts_with_grads": v[3]}
+                for k, v in tracker.segments.items()}
+    return StepTrace(saved=dict(saved), autocast_cache=autocast_cache, segments=segments,
+                     param_grads=sum(grads.values()), seconds=time.perf_counter() - t0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Full-depth estimate from 1- and 2-layer traces
+
+
+@dataclass(frozen=True)
+class TraceSettings:
+    """Everything a trace depends on besides the model config."""
+
+    batch_size: int
+    seq_len: int
+    param_dtype: torch.dtype = torch.float32  # dtype of the (base) weights
+    adapter_dtype: torch.dtype | None = None  # LoRA adapter weights (None = same as param_dtype)
+    autocast_dtype: torch.dtype | None = None  # emulate torch.autocast with this dtype
+    target: str = "cuda"  # 'cuda' | 'cpu': autocast policy and attention kernels of that device
+    attn_implementation: str = "sdpa"
+    attention_kernel: str = "math"  # 'math' | 'flash' | 'efficient' (for sdpa)
+    gradient_checkpointing: bool = False
+    lora_r: int = 0
+    lora_targets: tuple = (ALL_LINEAR,)
+    lora_dropout: float = 0.0
+
+
+@dataclass
+class ActivationEstimate:
+    """Activation-side bytes of one training step of the full-depth model (see :class:`StepTrace`)."""
+
+    settings: TraceSettings
+    num_layers: int
+    saved: dict[str, int]  # saved for backward: embeddings, layers, head, other
+    saved_per_layer: int
+    autocast_cache: int
+    peak: int  # parameter gradients left out
+    peak_parts: dict[str, int]
+    peak_segment: str
+    peak_with_grads: int  # parameter gradients counted as autograd makes them
+    peak_with_grads_parts: dict[str, int]
+    peak_with_grads_segment: str
+    param_grads: int
+    trace_seconds: float
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        s = d["settings"]
+        for k in ("param_dtype", "adapter_dtype", "autocast_dtype"):
+            s[k] = None if s[k] is None else str(s[k]).replace("torch.", "")
+        return d
+
+
+def _group_saved(saved: dict[str, int]) -> dict[str, int]:
+    out = {"embeddings": 0, "layers": 0, "head": 0, "other": 0}
+    for k, v in saved.items():
+        out["layers" if k.startswith("layer") else (k if k in out else "other")] += v
+    return out
+
+
+def enable_checkpointing(model: nn.Module):
+    """Gradient checkpointing the way transformers does it by default (non-reentrant, every layer)."""
+    base = base_model(model)
+    enable = getattr(base, "activation_checkpointing_enable", None) or base.gradient_checkpointing_enable
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        enable()
+
+
+def trace_depth(config, depth: int, s: TraceSettings, trust_remote_code: bool = False) -> StepTrace:
+    """Build ``config`` cut to ``depth`` layers on meta and measure one step with settings ``s``."""
+    model = build_meta_model(with_depth(config, depth), attn_implementation=s.attn_implementation,
+                             dtype=s.param_dtype, lora_r=s.lora_r, lora_targets=s.lora_targets,
+                             lora_dropout=s.lora_dropout, adapter_dtype=s.adapter_dtype or s.param_dtype,
+                             trust_remote_code=trust_remote_code)
+    if s.gradient_checkpointing:
+        enable_checkpointing(model)
+    model.train()
+    ids = torch.zeros(s.batch_size, s.seq_len, dtype=torch.long, device="meta")
+    return measure_step(model, ids, autocast_dtype=s.autocast_dtype, autocast_policy=s.target,
+                        attention_kernel=s.attention_kernel if s.attn_implementation == "sdpa" else "math",
+                        target=s.target)
+
+
+_ESTIMATES: dict = {}
+
+
+def estimate_activations(config, settings: TraceSettings, trust_remote_code: bool = False) -> ActivationEstimate:
+    """Trace 2 and 3 layers of ``config`` and extrapolate to its depth. Cached per (config, settings)."""
+    key = (config_key(config), settings, trust_remote_code)
+    if key in _ESTIMATES:
+        return _ESTIMATES[key]
+    full = num_layers(config)
+    # Depths 2 and 3 (not 1 and 2): from 2 layers on, the top and the bottom layer are different layers,
+    # so every segment means the same thing in both traces and each part is linear in depth.
+    lo = min(full, 2)
+    one = trace_depth(config, lo, settings, trust_remote_code)
+    two = trace_depth(config, lo + 1, settings, trust_remote_code) if full > lo else one
+
+    def ext(a: int, b: int) -> int:
+        return a + (full - lo) * (b - a)
+
+    def ext_dict(a: dict, b: dict) -> dict:
+        return {k: v for k in sorted(set(a) | set(b)) if (v := ext(a.get(k, 0), b.get(k, 0)))}
+
+    # Each segment's peak is extrapolated on its own, then the largest taken: the step's peak can move
+    # from one segment to another with depth (e.g. with checkpointing under autocast, the end of the
+    # forward, where every layer's weight casts are still cached, overtakes the loss backward).
+    segs = {}
+    # Middle layers (only in the deeper trace) are skipped: their peaks lie between the top and bottom ones.
+    for name in sorted(set(one.segments) & set(two.segments)):
+        a, b = one.segments[name], two.segments[name]
+        parts, parts_g = ext_dict(a["parts"], b["parts"]), ext_dict(a["parts_with_grads"], b["parts_with_grads"])
+        segs[name] = (sum(parts.values()), parts, sum(parts_g.values()), parts_g)
+    top = max(segs, key=lambda k: segs[k][0])
+    top_g = max(segs, key=lambda k: segs[k][2])
+    s1, s2 = _group_saved(one.saved), _group_saved(two.saved)
+    est = ActivationEstimate(
+        settings=settings, num_layers=full, saved=ext_dict(s1, s2),
+        saved_per_layer=(s2["layers"] - s1["layers"]) if full > lo else s1["layers"] // full,
+        autocast_cache=ext(one.autocast_cache, two.autocast_cache),
+        peak=segs[top][0], peak_parts=segs[top][1], peak_segment=top,
+        peak_with_grads=segs[top_g][2], peak_with_grads_parts=segs[top_g][3], peak_with_grads_segment=top_g,
+        param_grads=ext(one.param_grads, two.param_grads), trace_seconds=one.seconds + two.seconds)
+    _ESTIMATES[key] = est
+    return est
