@@ -101,7 +101,7 @@ def check_disk(root: str, expected_bytes: int) -> None:
 
 
 def save(engine, root: str, step: int, client_state: dict, settings: dict, *, is_main: bool, barrier,
-         keep_last: int) -> str:
+         keep_last: int, extra: dict | None = None, during_save=None) -> str:
     """Write a complete checkpoint for ``step`` atomically; returns its path."""
     final = step_dir(root, step)
     tmp = final + ".tmp"
@@ -113,10 +113,12 @@ def save(engine, root: str, step: int, client_state: dict, settings: dict, *, is
         os.makedirs(tmp)
     barrier()
     engine.save(tmp, client_state)
+    if during_save is not None:  # test hook: e.g. SIGKILL before the checkpoint is marked complete
+        during_save(tmp)
     barrier()
     if is_main:
         write_json(os.path.join(tmp, MARKER), {"step": step, "settings_hash": settings_hash(settings),
-                                               "settings": settings})
+                                               "settings": settings, **(extra or {})})
         if os.path.exists(final):  # a finished checkpoint of the same step (e.g. a re-run): replace it
             shutil.rmtree(final)
         os.replace(tmp, final)

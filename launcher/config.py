@@ -66,6 +66,8 @@ class DataConfig:
     format: str = _f("auto", "Record format: auto (from the fields), text, prompt_response, alpaca, messages.",
                      choices=("auto", "text", "prompt_response", "alpaca", "messages"))
     text_field: str = _f("text", "Field holding plain text records.")
+    prompt_field: str = _f("prompt", "Field holding the prompt of prompt_response records (masked out of the loss).")
+    response_field: str = _f("response", "Field holding the response of prompt_response records (in the loss).")
     seq_len: int = _f(128, "Tokens per sample.", min=8)
     packing: bool = _f(True, "Pack text records back to back into seq_len blocks (no padding waste).")
     eval_fraction: float = _f(0.0, "Fraction of samples held out for eval loss (0 = no eval).", min=0.0, max=0.5)
@@ -97,6 +99,7 @@ class LossScaleConfig:
     window: int = _f(1000, "Overflow-free steps before the scale doubles.", min=1)
     hysteresis: int = _f(2, "Overflows tolerated before the scale halves (DeepSpeed).", min=1)
     min_scale: float = _f(1.0, "The scale never goes below this.", min=0.0)
+    patience: int = _f(10, "Overflowing steps in a row at min_scale before the run stops (checkpoint + diagnosis).", min=1)
 
 
 @dataclass

@@ -93,7 +93,8 @@ def _fsdp_available() -> bool:
         return False
 
 
-def candidate_order(cfg: Config, hw: Hardware, precision: str, device: torch.device) -> tuple[list[Profile], list[str]]:
+def candidate_order(cfg: Config, hw: Hardware, precision: str, device: torch.device,
+                    allow_offload: bool = False) -> tuple[list[Profile], list[str]]:
     """Profiles to try for this precision, fastest first, DeepSpeed first when it can run; plus why others were dropped."""
     dropped = []
     pool = [p for p in PROFILES.values() if p.precision == precision]
@@ -107,7 +108,7 @@ def candidate_order(cfg: Config, hw: Hardware, precision: str, device: torch.dev
         else:
             ok.append(p)
     # Offload profiles need a GPU to offload from; on the CPU they only add copies.
-    if device.type == "cpu":
+    if device.type == "cpu" and not allow_offload:
         no_off = [p for p in ok if not p.offloads]
         if no_off:
             ok = no_off

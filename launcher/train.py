@@ -7,22 +7,27 @@ weights, summary.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import psutil
 import torch
 
 from launcher import checkpoint as ckpt
+from launcher import generate, lora
 from launcher.config import Config, ConfigError, to_yaml
 from launcher.data import load_data, micro_batches
 from launcher.engines.base import StepResult
 from launcher.hardware import Hardware, pin_memory_ok, probe
-from launcher.models import DTYPES, build_model, count_params, model_config, param_groups
-from launcher.resolve import Resolved, resolve
+from launcher.ladder import Rung, next_move
+from launcher.models import (build_model, count_params, enable_checkpointing, load_tokenizer, model_config, param_groups,
+                             weight_dtype)
+from launcher.profiles import PROFILES
+from launcher.resolve import Resolved, candidate_order, resolve
 from launcher.rundir import RunDir, default_run_name, read_json
 
 EXIT_INTERRUPTED = 130  # documented in the README: the run saved a checkpoint and can be resumed
@@ -74,8 +79,10 @@ def dist_env() -> Dist:
 @dataclass
 class Hooks:
     """Test-only fault injection (never a user option): called with the step number."""
-    before_step: object | None = None  # fn(step, engine) -> None, may raise (fake OOM) or poison grads
-    after_step: object | None = None  # fn(step) -> None (e.g. send SIGTERM)
+    before_step: object | None = None  # fn(step, engine): may raise (a fake OOM)
+    after_backward: object | None = None  # fn(step, engine): may poison gradients (inf/nan injection)
+    after_step: object | None = None  # fn(step): e.g. send SIGTERM
+    during_save: object | None = None  # fn(path): e.g. SIGKILL while a checkpoint is written
 
 
 @dataclass
@@ -201,7 +208,24 @@ def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -
     if max_pos and seq_len > max_pos:
         raise ConfigError([f"data.seq_len: got {seq_len}; rule: at most the model's maximum of {max_pos} positions; "
                            f"fix: data.seq_len={max_pos}"])
+    # ---- tokenizer, data, LoRA targets, sample prompt: input problems surface before the run directory exists
+    tokenizer = load_tokenizer(cfg)
+    data = load_data(cfg, hf_config.vocab_size, tokenizer)
+    train_data, eval_data = data.split(cfg.data.eval_fraction, cfg.seed)
+    lora.check(cfg, hf_config)
+    sample_prompt = generate.prompt_ids(cfg, tokenizer, eval_data if eval_data is not None else train_data)
     rd, resume_from = prepare_run_dir(cfg, dist)
+    settings = ckpt.fixed_settings(cfg)
+    rung = Rung(res.micro_batch, res.accumulation, cfg.model.gradient_checkpointing, res.profile.name)
+    if resume_from:
+        marker = ckpt.read_marker(resume_from)
+        diff = ckpt.diff_settings(marker["settings"], settings)
+        if diff:
+            raise ConfigError([f"checkpoint {resume_from}: settings changed since it was written; rule: these must "
+                               f"match to resume; fix: restore them or choose another run_name. Changes: {'; '.join(diff)}"])
+        if marker.get("rung"):  # continue where the OOM ladder had got to
+            rung = Rung(**marker["rung"])
+    cfg.model.gradient_checkpointing = rung.checkpointing
     rd.write_text("config.yaml", to_yaml(cfg))
     if res.plan is not None:
         rd.write_json("plan.json", res.plan.to_json())
@@ -209,45 +233,49 @@ def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.cuda.reset_peak_memory_stats(device)
-    # ---- model and data
-    torch.manual_seed(cfg.seed)
-    weight_dtype = DTYPES[res.precision] if res.engine == "deepspeed" else torch.float32
-    model = build_model(cfg, weight_dtype, hf_config)
-    data = load_data(cfg, hf_config.vocab_size)
-    train_data, eval_data = data.split(cfg.data.eval_fraction, cfg.seed)
+    # ---- model, engine
+
+    def make_engine(rung: Rung):
+        profile = PROFILES[rung.profile]
+        r = replace(res, profile=profile, precision=profile.precision, micro_batch=rung.micro_batch,
+                    accumulation=rung.accumulation)
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg, weight_dtype(cfg, profile.engine, profile.precision), hf_config, device=res.device,
+                            precision=profile.precision)
+        if rung.checkpointing:
+            enable_checkpointing(model)
+        engine, ds_config = build_engine(cfg, r, model, hw, hf_config.hidden_size)
+        if ds_config is not None:
+            rd.write_json("ds_config.json", ds_config)
+        return engine, model
+
+    engine, model = make_engine(rung)
     n_total, n_train = count_params(model)
     log(f"model {cfg.model.name}: {n_total / 1e6:.2f}M parameters ({n_train / 1e6:.2f}M trainable); "
         f"data: {len(train_data)} samples of {seq_len} tokens, {data.description}")
-    engine, ds_config = build_engine(cfg, res, model, hw, hf_config.hidden_size)
-    if ds_config is not None:
-        rd.write_json("ds_config.json", ds_config)
-    log(f"engine {engine.name}, profile {res.profile.name}, optimizer {engine.optimizer_name}, micro-batch "
-        f"{res.micro_batch} x accumulation {res.accumulation} x {dist.world} rank(s) = {cfg.train.global_batch_size}")
+    log(f"engine {engine.name}, profile {rung.profile}, optimizer {engine.optimizer_name}, micro-batch "
+        f"{rung.micro_batch} x accumulation {rung.accumulation} x {dist.world} rank(s) = {cfg.train.global_batch_size}")
     # ---- resume
     st = State()
-    settings = ckpt.fixed_settings(cfg)
     if resume_from:
-        marker = ckpt.read_marker(resume_from)
-        diff = ckpt.diff_settings(marker["settings"], settings)
-        if diff:
-            raise ConfigError([f"checkpoint {resume_from}: settings changed since it was written; rule: these must "
-                               f"match to resume; fix: restore them or choose another run_name. Changes: {'; '.join(diff)}"])
         client = engine.load(resume_from)
         st.step, st.first_loss, st.skipped = client["step"], client.get("first_loss"), client.get("skipped", 0)
         st.fallbacks, st.tokens_seen = client.get("fallbacks", []), client.get("tokens_seen", 0)
-        ckpt.set_rng_state(client["rng"][min(dist.rank, len(client["rng"]) - 1)] if isinstance(client["rng"], list)
-                           else client["rng"])
+        rng = client["rng"]
+        ckpt.set_rng_state(rng[min(dist.rank, len(rng) - 1)] if isinstance(rng, list) else rng)
         st.resumed_from = resume_from
         rd.truncate_metrics(st.step)
         log(f"resumed from {resume_from} at step {st.step}")
 
     def client_state() -> dict:
         return {"step": st.step, "samples_seen": st.step * cfg.train.global_batch_size, "first_loss": st.first_loss,
-                "skipped": st.skipped, "fallbacks": st.fallbacks, "tokens_seen": st.tokens_seen, "rng": ckpt.rng_state()}
+                "skipped": st.skipped, "fallbacks": st.fallbacks, "tokens_seen": st.tokens_seen,
+                "rng": ckpt.rng_state()}
 
     def save_checkpoint() -> str:
         path = ckpt.save(engine, rd.checkpoints, st.step, client_state(), settings, is_main=dist.is_main,
-                         barrier=dist.barrier, keep_last=cfg.checkpoint.keep_last)
+                         barrier=dist.barrier, keep_last=cfg.checkpoint.keep_last, extra={"rung": asdict(rung)},
+                         during_save=hooks.during_save)
         log(f"checkpoint {path}")
         return path
 
@@ -257,19 +285,50 @@ def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -
     t_start = time.perf_counter()
     tokens_per_step = cfg.train.global_batch_size * seq_len
     peak_rss = psutil.Process().memory_info().rss
-    loss = float("nan")
+    loss, at_min_scale = float("nan"), 0
+    usable, _ = candidate_order(cfg, hw, res.precision, device, allow_offload=True)
     try:
         while st.step < cfg.train.max_steps:
             t0 = time.perf_counter()
-            if hooks.before_step:
-                hooks.before_step(st.step, engine)
-            losses = []
-            for rows in micro_batches(st.step, cfg.train.global_batch_size, res.micro_batch, dist.rank, dist.world,
-                                      len(train_data), cfg.seed):
-                losses.append(engine.forward_backward(train_data.batch(rows), res.accumulation))
             lr = lr_at(st.step, cfg)
-            result: StepResult = engine.step(lr)
-            loss = dist.mean(float(torch.stack(losses).mean()))
+            try:
+                if hooks.before_step:
+                    hooks.before_step(st.step, engine)
+                losses = [engine.forward_backward(train_data.batch(rows), rung.accumulation)
+                          for rows in micro_batches(st.step, cfg.train.global_batch_size, rung.micro_batch,
+                                                    dist.rank, dist.world, len(train_data), cfg.seed)]
+                loss = dist.mean(float(torch.stack(losses).mean()))
+                if hooks.after_backward:
+                    hooks.after_backward(st.step, engine)
+                if not math.isfinite(loss) and res.precision != "fp16":
+                    status, diagnosis = "failed", diagnose(engine, train_data, rung, st, cfg, lr,
+                                                           f"loss became {loss} at step {st.step + 1}")
+                    engine.reset_micro_batch(rung.micro_batch, rung.accumulation)  # never apply that update
+                    break
+                result: StepResult = engine.step(lr)
+            except torch.OutOfMemoryError as oom:  # anything else propagates untouched
+                move = next_move(rung, usable)
+                if move is None:
+                    raise
+                del oom
+                log(f"OOM at step {st.step + 1}: {move.reason}")
+                st.fallbacks.append({"from": asdict(rung), "to": asdict(move.to), "reason": move.reason,
+                                     "step": st.step + 1})
+                if move.kind == "profile":
+                    state = engine.portable_state()
+                    engine = model = None
+                    free_memory(device)
+                    engine, model = make_engine(move.to)
+                    engine.load_portable_state(state, st.step - st.skipped)
+                    del state
+                else:
+                    engine.reset_micro_batch(move.to.micro_batch, move.to.accumulation)
+                    if move.kind == "checkpointing":
+                        enable_checkpointing(engine.module())
+                    free_memory(device)
+                rung = move.to
+                cfg.model.gradient_checkpointing = rung.checkpointing
+                continue
             st.step += 1
             st.tokens_seen += tokens_per_step
             st.skipped += int(result.skipped)
@@ -280,16 +339,21 @@ def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -
             peak_rss = max(peak_rss, mem["cpu_rss_bytes"])
             row = {"step": st.step, "loss": loss, "lr": lr, "loss_scale": result.loss_scale,
                    "skipped": result.skipped, "grad_norm": result.grad_norm, "tokens": st.tokens_seen,
-                   "tokens_per_s": tokens_per_step / dt, **mem, "time_s": time.perf_counter() - t_start}
+                   "tokens_per_s": tokens_per_step / dt, **mem, "time_s": time.perf_counter() - t_start,
+                   "micro_batch": rung.micro_batch}
             rd.append_metrics(row)
-            if st.step % cfg.log.every_steps == 0 or st.step == 1 or st.step == cfg.train.max_steps:
+            if st.step % cfg.log.every_steps == 0 or st.step == 1 or st.step == cfg.train.max_steps or result.skipped:
                 log(_format_row(row, cfg.train.max_steps))
-            if not math.isfinite(loss) and not result.skipped:
-                status, diagnosis = "failed", (f"loss became {loss} at step {st.step} without a loss-scale overflow; "
-                                               f"lr was {lr:.3g}; try a lower train.lr or precision=bf16/fp32")
+            # fp16 that keeps overflowing at the minimum scale will never train: stop with a diagnosis
+            at_min = result.skipped and result.loss_scale is not None and result.loss_scale <= cfg.loss_scale.min_scale
+            at_min_scale = at_min_scale + 1 if at_min else 0
+            if at_min_scale >= cfg.loss_scale.patience:
+                status, diagnosis = "failed", diagnose(
+                    engine, train_data, rung, st, cfg, lr,
+                    f"{at_min_scale} steps in a row overflowed at the minimum loss scale {cfg.loss_scale.min_scale:g}")
                 break
             if eval_data is not None and cfg.train.eval_every and st.step % cfg.train.eval_every == 0:
-                log(f"eval loss {evaluate(engine, eval_data, res.micro_batch, dist):.4f} at step {st.step}")
+                log(f"eval loss {evaluate(engine, eval_data, rung.micro_batch, dist):.4f} at step {st.step}")
             if hooks.after_step:
                 hooks.after_step(st.step)
             if stop:
@@ -303,12 +367,18 @@ def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -
         rd.close()
     elapsed = time.perf_counter() - t_start
     # ---- outputs
-    eval_loss = evaluate(engine, eval_data, res.micro_batch, dist) if eval_data is not None else None
+    eval_loss = evaluate(engine, eval_data, rung.micro_batch, dist) if eval_data is not None else None
+    sample = None
     if status == "completed":
         engine.save_final(rd.file("final"))
+        if tokenizer is not None and dist.is_main:
+            tokenizer.save_pretrained(rd.file("final"))
+        sample = generate.run_sample(engine, sample_prompt, cfg, tokenizer, res.precision, rd.path, dist.is_main, log)
+    if diagnosis:
+        log(f"stopped: {diagnosis}")
     measured = [m["tokens_per_s"] for m in rd.metrics()[1:]] if dist.is_main else []
     summary = {
-        "status": status, "engine": engine.name, "profile": res.profile.name, "precision": res.precision,
+        "status": status, "engine": engine.name, "profile": rung.profile, "precision": res.precision,
         "device": str(device), "steps": st.step, "first_loss": st.first_loss, "final_loss": loss,
         "eval_loss": eval_loss,
         "tokens_per_s": (sum(measured) / len(measured)) if measured else tokens_per_step * st.step / max(elapsed, 1e-9),
@@ -317,14 +387,64 @@ def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -
         "peak_cpu_rss_bytes": peak_rss,
         "predicted_gpu_bytes": _pick(res.plan, "gpu_bytes"), "predicted_cpu_bytes": _pick(res.plan, "cpu_bytes"),
         "skipped_steps": st.skipped, "fallbacks": st.fallbacks, "resumed_from": st.resumed_from,
-        "optimizer": engine.optimizer_name, "micro_batch": res.micro_batch, "accumulation": res.accumulation,
-        "world_size": dist.world, "global_batch_size": cfg.train.global_batch_size, "seq_len": seq_len,
-        "elapsed_s": elapsed, "checkpoint": last_ckpt, "reasons": res.reasons, "diagnosis": diagnosis,
-        "run_dir": rd.path,
+        "optimizer": engine.optimizer_name, "micro_batch": rung.micro_batch, "accumulation": rung.accumulation,
+        "gradient_checkpointing": rung.checkpointing, "world_size": dist.world,
+        "global_batch_size": cfg.train.global_batch_size, "seq_len": seq_len, "elapsed_s": elapsed,
+        "checkpoint": last_ckpt, "reasons": res.reasons, "diagnosis": diagnosis, "run_dir": rd.path,
+        "sample": sample,
     }
     rd.write_json("summary.json", summary)
     _print_summary(summary)
     return summary
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def diagnose(engine, data, rung: Rung, st: State, cfg: Config, lr: float, what: str) -> str:
+    """Why the numbers went non-finite: which parameters' gradients and which modules' outputs."""
+    parts = [what, f"lr {lr:.3g}"]
+    bad_grads = getattr(engine, "nonfinite", None)
+    if bad_grads:
+        parts.append(f"inf/nan gradients in {len(bad_grads)} tensors, first: {', '.join(bad_grads[:4])}")
+    rows = micro_batches(max(st.step - 1, 0), cfg.train.global_batch_size, rung.micro_batch, 0, 1, len(data), cfg.seed)[0]
+    found = nonfinite_outputs(engine, data.batch(rows))
+    if found:
+        parts.append(f"first modules with inf/nan or fp16-overflowing outputs: {', '.join(found[:4])}")
+    tips = ["a lower train.lr", "train.grad_clip=1.0" if not cfg.train.grad_clip else "a longer train.warmup_steps"]
+    if engine.name and getattr(engine, "precision", None) == "fp16" or "fp16" in rung.profile:
+        tips.insert(0, "precision=bf16 where the card has it (compute capability >= 8.0), or precision=fp32")
+    parts.append("try: " + "; ".join(tips))
+    return "; ".join(parts)
+
+
+def nonfinite_outputs(engine, batch: dict, limit: float = 65504.0) -> list[str]:
+    """Run one forward with hooks; name modules whose output is non-finite or beyond fp16's range."""
+    found: list[str] = []
+    handles = []
+
+    def hook(name):
+        def fn(_mod, _inp, out):
+            t = out[0] if isinstance(out, (tuple, list)) else getattr(out, "logits", out)
+            if torch.is_tensor(t) and t.is_floating_point() and t.numel():
+                if not torch.isfinite(t).all() or t.detach().abs().max() > limit:
+                    found.append(name)
+        return fn
+
+    for name, mod in engine.module().named_modules():
+        if name:
+            handles.append(mod.register_forward_hook(hook(name)))
+    try:
+        engine.eval_loss(batch)
+    except Exception as e:  # a diagnosis must not hide the run's real state
+        found.append(f"(diagnostic forward failed: {type(e).__name__})")
+    finally:
+        for h in handles:
+            h.remove()
+    return found
 
 
 def _pick(plan, key):

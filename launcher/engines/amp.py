@@ -49,6 +49,7 @@ class AmpEngine:
         self.scaler = make_scaler(device, precision, loss_scale)
         self.min_scale = float(loss_scale.min_scale)
         self.grad_clip = grad_clip
+        self.nonfinite: list[str] = []  # parameters whose gradients held inf/nan at the last overflow
 
     def _forward(self, batch: dict):
         with torch.autocast(self.device.type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None):
@@ -66,6 +67,9 @@ class AmpEngine:
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip if self.grad_clip > 0 else float("inf"))
         norm = float(norm)
         scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
+        if not math.isfinite(norm):
+            self.nonfinite = [n for n, p in self.model.named_parameters()
+                              if p.grad is not None and not torch.isfinite(p.grad).all()]
         self.scaler.step(self.optimizer)  # skipped by the scaler when grads hold inf/nan
         self.scaler.update()
         if self.scaler.is_enabled() and self.scaler.get_scale() < self.min_scale:
@@ -74,6 +78,30 @@ class AmpEngine:
         skipped = scale is not None and not math.isfinite(norm)
         return StepResult(skipped=skipped, loss_scale=self.scaler.get_scale() if scale is not None else None,
                           grad_norm=norm)
+
+    def reset_micro_batch(self, micro_batch: int, accumulation: int) -> None:
+        """Drop a partly accumulated step (after an OOM); micro-batch size is the loop's business here."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def portable_state(self) -> dict:
+        out = {}
+        for name, p in self.model.named_parameters():
+            if p.requires_grad:
+                st = self.optimizer.state.get(p, {})
+                out[name] = {"param": p.detach().float().cpu(),
+                             **{k: st[k].detach().float().cpu() for k in ("exp_avg", "exp_avg_sq") if k in st}}
+        return out
+
+    def load_portable_state(self, state: dict, step: int) -> None:
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if name in state:
+                    p.copy_(state[name]["param"])
+                    if "exp_avg" in state[name]:
+                        fused = bool(self.optimizer.defaults.get("fused"))
+                        self.optimizer.state[p] = {
+                            "step": torch.tensor(float(step), device=p.device if fused else "cpu"),
+                            **{k: state[name][k].to(p.device) for k in ("exp_avg", "exp_avg_sq")}}
 
     @torch.no_grad()
     def eval_loss(self, batch: dict) -> float:

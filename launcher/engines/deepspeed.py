@@ -47,6 +47,12 @@ class DeepSpeedEngine:
         self.optimizer_name = optimizer_name(self.optimizer)
         self.fp16 = bool(ds_config.get("fp16", {}).get("enabled"))
         self._micro = 0
+        self._initial_micro_step_id = getattr(self.optimizer, "micro_step_id", None)
+        scaler = getattr(self.optimizer, "loss_scaler", None)
+        if scaler is not None and hasattr(scaler, "raise_error_at_min_scale"):
+            # DeepSpeed ends the run with a bare Exception at the minimum scale; the loop decides instead
+            # (checkpoint, diagnosis, status 'failed').
+            scaler.raise_error_at_min_scale = False
 
     def forward_backward(self, batch: dict, accumulation: int) -> torch.Tensor:
         out = self.engine(**batch_to(batch, self.engine.device))
@@ -65,6 +71,44 @@ class DeepSpeedEngine:
         norm = float(norm) if norm is not None else None
         scale = float(self.optimizer.cur_scale) if self.fp16 and hasattr(self.optimizer, "cur_scale") else None
         return StepResult(skipped=not self.engine.was_step_applied(), loss_scale=scale, grad_norm=norm)
+
+    def reset_micro_batch(self, micro_batch: int, accumulation: int) -> None:
+        """Drop a partly accumulated step (after an OOM) and continue with a new micro-batch size."""
+        self.engine.zero_grad()
+        self.engine.micro_steps -= self._micro
+        self._micro = 0
+        if self._initial_micro_step_id is not None:
+            self.optimizer.micro_step_id = self._initial_micro_step_id  # next backward copies, not accumulates
+        world = self.engine.dp_world_size
+        self.engine.set_train_micro_batch_size(micro_batch)
+        self.engine.set_train_batch_size(micro_batch * accumulation * world)
+
+    def portable_state(self) -> dict:
+        """fp32 master weights and Adam moments by parameter name, on the CPU (to rebuild another engine)."""
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        out = {}
+        for name, p in self.engine.module.named_parameters():
+            if not p.requires_grad:
+                continue
+            entry = {"param": safe_get_full_fp32_param(p).detach().float().cpu()}
+            for key in ("exp_avg", "exp_avg_sq"):
+                v = safe_get_full_optimizer_state(p, key)
+                if v is not None:
+                    entry[key] = v.detach().float().cpu()
+            out[name] = entry
+        return out
+
+    def load_portable_state(self, state: dict, step: int) -> None:
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        for name, p in self.engine.module.named_parameters():
+            if name in state:
+                safe_set_full_fp32_param(p, state[name]["param"])
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key in state[name]:
+                        safe_set_full_optimizer_state(p, state[name][key], key)
+        _set_adam_step(self.optimizer, step)
 
     @torch.no_grad()
     def eval_loss(self, batch: dict) -> float:
@@ -94,3 +138,14 @@ class DeepSpeedEngine:
 
     def module(self) -> torch.nn.Module:
         return self.engine.module
+
+
+def _set_adam_step(optimizer, step: int) -> None:
+    """Adam's bias correction needs the number of updates done; DeepSpeed keeps it per group or per state."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    for g in inner.param_groups:
+        if "step" in g:
+            g["step"] = step
+    for st in inner.state.values():
+        if "step" in st:
+            st["step"] = torch.tensor(float(step)) if torch.is_tensor(st["step"]) else step
