@@ -97,6 +97,13 @@ def test_shipped_example_configs_validate(path):
     load_config(path, [])
 
 
-def test_readme_config_reference_is_current():
+def test_readme_generated_sections_are_current():
+    """The README's profile table and config reference come from the code (scripts/update_readme.py)."""
     readme = open(os.path.join(ROOT, "README.md")).read()
-    assert reference_markdown() in readme, "README config reference drifted: paste `vramfit config-reference`"
+    assert reference_markdown() in readme, "README config reference drifted: run python scripts/update_readme.py"
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "update_readme.py"), "--check"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
