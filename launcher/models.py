@@ -44,27 +44,95 @@ def attn_impl(cfg: Config) -> str:
     return "sdpa" if cfg.model.attn_implementation == "auto" else cfg.model.attn_implementation
 
 
-def build_model(cfg: Config, dtype: torch.dtype = torch.float32, hf_config=None):
-    """Instantiate the model on the CPU in ``dtype``: random init for presets, weights from a directory/hub."""
+def weight_dtype(cfg: Config, engine: str, precision: str) -> torch.dtype:
+    """The dtype weights load in. DeepSpeed fp16/bf16: 16 bits (it keeps fp32 masters in its optimizer).
+    AMP with LoRA or QLoRA: the frozen base in 16 bits too (autocast computes in 16 bits anyway and the
+    fp32 adapters are all that trains), as the memory plan counts it. Otherwise fp32 masters."""
+    if precision in ("fp16", "bf16") and (engine == "deepspeed" or (engine == "amp" and cfg.lora.r > 0)):
+        return DTYPES[precision]
+    return torch.float32
+
+
+def has_tokenizer_files(path: str) -> bool:
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+    return any(os.path.isfile(os.path.join(path, n)) for n in names)
+
+
+def load_tokenizer(cfg: Config):
+    """The tokenizer of ``model.name`` (None for presets and model directories without one). A tokenizer
+    without a pad token pads with eos (padded positions are never in the loss), and says so."""
+    name = cfg.model.name
+    if name in PRESETS:
+        return None
+    path = os.path.expanduser(name)
+    if is_local(name) and not has_tokenizer_files(path):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+    except (OSError, ValueError) as e:
+        if is_local(name):
+            raise ConfigError([f"model.name: the tokenizer in {name!r} does not load ({str(e).splitlines()[0]}); "
+                               "rule: tokenizer files as tokenizer.save_pretrained writes them; fix: re-save them"]) from None
+        return None
+    if tok.pad_token is None and tok.eos_token is not None:
+        tok.pad_token = tok.eos_token
+        from launcher.train import log
+
+        log(f"the tokenizer of {name} has no pad token: padding with eos {tok.eos_token!r} (id {tok.eos_token_id}); "
+            "padded positions are masked out of the loss")
+    return tok
+
+
+def build_model(cfg: Config, dtype: torch.dtype = torch.float32, hf_config=None, *,
+                device: torch.device | None = None, precision: str = "fp32"):
+    """Instantiate the model in ``dtype``: random init for presets, weights from a directory/hub; then
+    bitsandbytes quantization (``model.quantize``, done on ``device``) and LoRA (``lora.r > 0``)."""
     from transformers import AutoModelForCausalLM
 
     hf_config = hf_config if hf_config is not None else model_config(cfg)
+    quant = cfg.model.quantize
+    device = device or torch.device("cpu")
     if cfg.model.name in PRESETS:
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_impl(cfg), dtype=dtype)
+        if quant != "none":
+            from launcher.lora import quantize_in_place
+
+            quantize_in_place(model, quant, precision, device)
     else:
+        kw = {}
+        if quant != "none":  # quantized while loading, shard by shard, on the training device
+            from launcher.lora import bnb_config
+
+            kw = {"quantization_config": bnb_config(quant, precision), "device_map": {"": device}}
         model = AutoModelForCausalLM.from_pretrained(
             os.path.expanduser(cfg.model.name), config=hf_config, dtype=dtype, attn_implementation=attn_impl(cfg),
-            trust_remote_code=cfg.model.trust_remote_code)
+            trust_remote_code=cfg.model.trust_remote_code, **kw)
     model.config.use_cache = False
+    if quant != "none":
+        from launcher.lora import describe_quantization
+        from launcher.train import log
+
+        log(f"model.quantize={quant}: {describe_quantization(model)}")
     if cfg.model.gradient_checkpointing:
         enable_checkpointing(model)
+    if cfg.lora.r > 0:
+        from launcher.lora import apply_lora, base_name_for
+
+        model = apply_lora(cfg, model, base_name_for(cfg))
     return model
 
 
 def enable_checkpointing(model) -> None:
-    """Non-reentrant activation checkpointing (works with frozen bases and LoRA, no input grads needed)."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    """Non-reentrant activation checkpointing. It works with frozen bases and LoRA without the trick the
+    reentrant variant needs (inputs that require grad); transformers adds that hook anyway, harmlessly."""
+    kw = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.x: the old name warns
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
     model.config.use_cache = False
 
 
