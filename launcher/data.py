@@ -69,7 +69,7 @@ def load_data(cfg: Config, vocab_size: int, tokenizer=None) -> TokenData:
         return synthetic_task(cfg.data.num_samples, cfg.data.seq_len, cfg.data.vocab_size, cfg.seed)
     from launcher.datasets_io import load_file_data
 
-    return load_file_data(cfg, tokenizer)
+    return load_file_data(cfg, tokenizer, vocab_size)
 
 
 def sample_index(k: int, n: int, seed: int) -> int:
