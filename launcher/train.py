@@ -200,6 +200,7 @@ def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -
     hw = hw or probe()
     # ---- resolve everything before loading anything
     hf_config = model_config(cfg)
+    lora.check(cfg, hf_config)  # bitsandbytes present when needed; LoRA target names exist (on a meta model)
     res = resolve(cfg, hw, dist.world)
     for r in res.reasons:
         log(r)
@@ -208,11 +209,10 @@ def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -
     if max_pos and seq_len > max_pos:
         raise ConfigError([f"data.seq_len: got {seq_len}; rule: at most the model's maximum of {max_pos} positions; "
                            f"fix: data.seq_len={max_pos}"])
-    # ---- tokenizer, data, LoRA targets, sample prompt: input problems surface before the run directory exists
+    # ---- tokenizer, data, sample prompt: input problems surface before the run directory exists
     tokenizer = load_tokenizer(cfg)
     data = load_data(cfg, hf_config.vocab_size, tokenizer)
     train_data, eval_data = data.split(cfg.data.eval_fraction, cfg.seed)
-    lora.check(cfg, hf_config)
     sample_prompt = generate.prompt_ids(cfg, tokenizer, eval_data if eval_data is not None else train_data)
     rd, resume_from = prepare_run_dir(cfg, dist)
     settings = ckpt.fixed_settings(cfg)
