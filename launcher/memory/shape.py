@@ -99,8 +99,9 @@ def build_meta_model(config, *, attn_implementation: str = "eager", dtype: torch
         if not names:
             raise ValueError(f"lora.target_modules={list(lora_targets)} matches no linear module of "
                              f"{type(model).__name__}")
+        # low_cpu_mem_usage: adapters are made on meta without an init pass (10x faster, same shapes)
         model = get_peft_model(model, LoraConfig(r=lora_r, lora_alpha=lora_r, lora_dropout=lora_dropout,
-                                                 target_modules=names))
+                                                 target_modules=names), low_cpu_mem_usage=True)
         for name, p in model.named_parameters():
             if "lora_" in name:
                 p.data = p.data.to(adapter_dtype or torch.float32)
@@ -145,6 +146,8 @@ class ParamCounts:
     adapters_per_layer: int
     largest_param: int  # elements of the largest single tensor (DeepSpeed sizes a buffer by it)
     largest_module: int  # most direct parameters of one module (ZeRO-3 gathers per module)
+    largest_adapter: int  # elements of the largest LoRA tensor (0 without LoRA)
+    small_params: int  # parameters in tensors of <= 10 x hidden elements (ZeRO-3 keeps them on the GPU)
     num_layers: int
     tied_embeddings: bool
 
@@ -175,17 +178,20 @@ def _count_one(model: nn.Module, lora_r: int, lora_targets) -> dict:
     for mod in layers.modules():
         if isinstance(mod, _linear_classes()):
             linear += mod.weight.numel()
-    adapters = 0
+    adapters = largest_adapter = 0
     if lora_r:
         for name in lora_target_names(model, lora_targets):
             mod = model.get_submodule(name)
             i, o = linear_in_out(mod)
             adapters += lora_r * (i + o)
+            largest_adapter = max(largest_adapter, lora_r * max(i, o))
     largest_module = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    threshold = 10 * int(getattr(model.config, "hidden_size", 0) or 0)
     return dict(total=total, embeddings=n(emb_ids), layers=n(layer_ids), head=n(head_ids),
                 other=total - n(emb_ids) - n(layer_ids) - n(head_ids), linear_weights=linear,
                 adapters=adapters, largest_param=max(p.numel() for p in params.values()),
-                largest_module=largest_module, tied=tied)
+                largest_module=largest_module, largest_adapter=largest_adapter,
+                small_params=sum(p.numel() for p in params.values() if p.numel() <= threshold), tied=tied)
 
 
 _COUNT_CACHE: dict = {}
@@ -215,7 +221,8 @@ def _count(config, lora_r: int, lora_targets: tuple, trust_remote_code: bool) ->
                        adapters_per_layer=(two["adapters"] - one["adapters"]) if full > 1 else one["adapters"],
                        largest_param=max(one["largest_param"], two["largest_param"]),
                        largest_module=max(one["largest_module"], two["largest_module"]),
-                       num_layers=full, tied_embeddings=bool(one["tied"]))
+                       largest_adapter=max(one["largest_adapter"], two["largest_adapter"]),
+                       small_params=ext("small_params"), num_layers=full, tied_embeddings=bool(one["tied"]))
 
 
 def count_params(config, lora_r: int = 0, lora_targets=(ALL_LINEAR,), trust_remote_code: bool = False) -> ParamCounts:
