@@ -45,7 +45,8 @@ MiB = 1024**2
 CUDA_CONTEXT_BYTES = 512 * MiB
 ALLOCATOR_SLACK = 0.10
 CPU_RUNTIME_BYTES = {"cuda": int(2.5 * GiB), "cpu": 1 * GiB}
-QUANT_BYTES_PER_PARAM = {"4bit": 0.5 + 4 / 64, "8bit": 1.0 + 4 / 4096}  # NF4 + fp32 absmax per 64; int8 + row scale
+# NF4 with double quantization (8-bit absmax per 64 weights, fp32 per 256 blocks); int8 + fp32 row scale
+QUANT_BYTES_PER_PARAM = {"4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0 + 4 / 4096}
 OPTIMIZER_BYTES_PER_PARAM = {"adamw": 8, "adamw8bit": 2}  # m and v
 AMP_OPTIMIZER_WORKSPACE = 0  # torch AdamW(fused=True) updates in place; foreach would add 4 B/param
 ZERO3_SUB_GROUP = 1_000_000_000  # DeepSpeed sub_group_size default: fp32 gradient buffer size cap
@@ -341,16 +342,22 @@ def _states(p: Profile, run: _Run, accumulation: int) -> dict:
         _add(cpu, "master_weights", 4 * trainable)
         _add(cpu, "optimizer_states", 8 * trainable)
     elif p.engine == "fsdp":
-        # FSDP2 + CPUOffloadPolicy: fp32 sharded params, grads and Adam on the CPU; the GPU holds the root
-        # (embeddings, head, final norm) and two layers (the one running, the one prefetched) in the
-        # compute dtype, and a layer's gradients in the compute dtype and fp32 (reduce dtype).
-        root = c.embeddings + c.head + c.other
+        # FSDP2 + CPUOffloadPolicy (launcher/engines/fsdp.py): fp32 sharded params, fp32 grads and AdamW on
+        # the CPU. Units: input embeddings, each layer, the head (tied embeddings stay in the root with the
+        # final norm). The GPU holds the root and two neighbouring units (the running one and the
+        # prefetched one) in the compute dtype, and one unit's gradients in the compute dtype plus the fp32
+        # copy that is reduced and offloaded.
         layer = c.per_layer + (c.adapters_per_layer if lora else 0)
+        if c.tied_embeddings:
+            root, pair = c.embeddings + c.other, 2 * layer
+            units = [layer]
+        else:
+            root, pair = c.other, max(2 * layer, c.embeddings + layer, c.head + layer)
+            units = [c.embeddings, layer, c.head]
         for d in (fb, step):
-            _add(d, "weights", (root + 2 * layer) * cd)
-        root_trainable = 0 if lora else root
-        layer_trainable = c.adapters_per_layer if lora else c.per_layer
-        _add(fb, "gradients", max(root_trainable, layer_trainable) * (cd + 4))
+            _add(d, "weights", (root + pair) * cd)
+        largest_trainable_unit = c.adapters_per_layer if lora else max(units)
+        _add(fb, "gradients", largest_trainable_unit * (cd + 4))
         load = 4 * (base + c.adapters)
         _add(cpu, "weights", 4 * (base + c.adapters))
         _add(cpu, "gradients", 4 * trainable)
@@ -549,6 +556,13 @@ def _reason(chosen, pool, rows, cfg, gpu_budget, cpu_budget, run) -> str:
     if chosen is None:
         if not pool:
             return "no profile can run here: " + "; ".join(f"{r.profile}: {r.why_not}" for r in rows)
+        if cfg.profile != AUTO:
+            return f"profile {cfg.profile} as asked does not fit: {pool[0].why_not}"
+        blocked_fits = [r for r in rows if r.fits and not r.available]
+        if blocked_fits:
+            r = min(blocked_fits, key=lambda r: r.speed_rank)
+            return (f"nothing that can run here fits the budget ({_gib(gpu_budget)} GPU, {_gib(cpu_budget)} CPU); "
+                    f"{r.profile} would fit, but {r.why_not}")
         best = min(pool, key=lambda r: (r.gpu_bytes - gpu_budget if run.device == "cuda" else 0)
                    + max(0, r.cpu_bytes - cpu_budget))
         return (f"nothing fits the budget ({_gib(gpu_budget)} GPU, {_gib(cpu_budget)} CPU); closest: "
