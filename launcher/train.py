@@ -63,6 +63,21 @@ class Dist:
         if self.world > 1 and torch.distributed.is_initialized():
             torch.distributed.barrier()
 
+    def any(self, flag: bool) -> bool:
+        if self.world > 1 and torch.distributed.is_initialized():
+            t = torch.tensor([int(flag)])
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            return bool(t.item())
+        return flag
+
+    def gather(self, obj) -> list:
+        """Every rank's ``obj``, in rank order (a one-item list on one rank)."""
+        if self.world > 1 and torch.distributed.is_initialized():
+            out = [None] * self.world
+            torch.distributed.all_gather_object(out, obj)
+            return out
+        return [obj]
+
     def mean(self, x: float) -> float:
         if self.world > 1 and torch.distributed.is_initialized():
             t = torch.tensor([x], dtype=torch.float64)
@@ -156,6 +171,7 @@ def prepare_run_dir(cfg: Config, dist: Dist) -> tuple[RunDir, str | None]:
             raise ConfigError([f"run_name: {rd.path} already completed {step} steps; rule: a finished run is not "
                                f"overwritten; fix: another run_name, or train.max_steps > {step} to continue it"])
         resume = found
+    dist.barrier()  # every rank has looked before rank 0 creates anything
     rd.create()
     return rd, resume
 
@@ -270,7 +286,7 @@ def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -
     def client_state() -> dict:
         return {"step": st.step, "samples_seen": st.step * cfg.train.global_batch_size, "first_loss": st.first_loss,
                 "skipped": st.skipped, "fallbacks": st.fallbacks, "tokens_seen": st.tokens_seen,
-                "rng": ckpt.rng_state()}
+                "rng": dist.gather(ckpt.rng_state())}
 
     def save_checkpoint() -> str:
         path = ckpt.save(engine, rd.checkpoints, st.step, client_state(), settings, is_main=dist.is_main,
@@ -356,7 +372,7 @@ def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -
                 log(f"eval loss {evaluate(engine, eval_data, rung.micro_batch, dist):.4f} at step {st.step}")
             if hooks.after_step:
                 hooks.after_step(st.step)
-            if stop:
+            if dist.any(bool(stop)):  # ranks agree, so all of them save the same step
                 status = "interrupted"
                 break
             if cfg.checkpoint.every_steps and st.step % cfg.checkpoint.every_steps == 0 and st.step < cfg.train.max_steps:

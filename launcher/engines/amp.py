@@ -6,6 +6,7 @@ DeepSpeed fp16 profiles (init 2**16, growth interval 1000, backoff 0.5).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -43,6 +44,12 @@ class AmpEngine:
         self.dtype = autocast_dtype(precision)
         self.model = model.to(device)
         self.model.train()
+        self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        # Several ranks: DDP all-reduces gradients, once per optimizer step (no_sync while accumulating).
+        self.wrapped = (torch.nn.parallel.DistributedDataParallel(self.model, device_ids=[device.index] if
+                                                                  device.type == "cuda" else None)
+                        if self.world > 1 else self.model)
+        self._micro = 0
         self.params = [p for g in param_groups for p in g["params"]]
         self.optimizer, self.optimizer_name = make_optimizer(param_groups, lr=lr, betas=betas, eps=eps, device=device,
                                                              kind=optimizer)
@@ -51,13 +58,16 @@ class AmpEngine:
         self.grad_clip = grad_clip
         self.nonfinite: list[str] = []  # parameters whose gradients held inf/nan at the last overflow
 
-    def _forward(self, batch: dict):
+    def _forward(self, batch: dict, model=None):
         with torch.autocast(self.device.type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None):
-            return self.model(**batch_to(batch, self.device))
+            return (model or self.wrapped)(**batch_to(batch, self.device))
 
     def forward_backward(self, batch: dict, accumulation: int) -> torch.Tensor:
-        loss = self._forward(batch).loss
-        self.scaler.scale(loss / accumulation).backward()
+        self._micro += 1
+        sync = self.world == 1 or self._micro >= accumulation
+        with contextlib.nullcontext() if sync else self.wrapped.no_sync():
+            loss = self._forward(batch).loss
+            self.scaler.scale(loss / accumulation).backward()
         return loss.detach().float()
 
     def step(self, lr: float) -> StepResult:
@@ -75,6 +85,7 @@ class AmpEngine:
         if self.scaler.is_enabled() and self.scaler.get_scale() < self.min_scale:
             self.scaler.update(self.min_scale)  # same floor as DeepSpeed's min_loss_scale
         self.optimizer.zero_grad(set_to_none=True)
+        self._micro = 0
         skipped = scale is not None and not math.isfinite(norm)
         return StepResult(skipped=skipped, loss_scale=self.scaler.get_scale() if scale is not None else None,
                           grad_norm=norm)
@@ -82,6 +93,7 @@ class AmpEngine:
     def reset_micro_batch(self, micro_batch: int, accumulation: int) -> None:
         """Drop a partly accumulated step (after an OOM); micro-batch size is the loop's business here."""
         self.optimizer.zero_grad(set_to_none=True)
+        self._micro = 0
 
     def portable_state(self) -> dict:
         out = {}
@@ -107,11 +119,13 @@ class AmpEngine:
     def eval_loss(self, batch: dict) -> float:
         self.model.eval()
         try:
-            return float(self._forward(batch).loss)
+            return float(self._forward(batch, self.model).loss)
         finally:
             self.model.train()
 
     def save(self, directory: str, client_state: dict) -> None:
+        if self.world > 1 and torch.distributed.get_rank() != 0:
+            return  # DDP replicas are identical: rank 0 writes
         trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
         state = {k: v for k, v in self.model.state_dict().items() if k in trainable} if len(trainable) < sum(
             1 for _ in self.model.parameters()) else self.model.state_dict()
@@ -128,7 +142,8 @@ class AmpEngine:
     def save_final(self, directory: str) -> None:
         from launcher.models import save_final
 
-        save_final(self.model, directory)
+        if self.world == 1 or torch.distributed.get_rank() == 0:
+            save_final(self.model, directory)
 
     def module(self) -> torch.nn.Module:
         return self.model
