@@ -36,7 +36,7 @@ import torch
 
 from launcher.config import AUTO, Config
 from launcher.hardware import GiB, Hardware
-from launcher.memory.shape import ParamCounts, count_params, resolve_model_config
+from launcher.memory.shape import ParamCounts, count_params, lora_target_names, resolve_model_config  # noqa: F401
 from launcher.memory.trace import ActivationEstimate, TraceSettings, estimate_activations
 from launcher.profiles import PROFILES, Profile, bucket_sizes
 
@@ -44,7 +44,7 @@ MiB = 1024**2
 
 CUDA_CONTEXT_BYTES = 512 * MiB
 ALLOCATOR_SLACK = 0.10
-CPU_RUNTIME_BYTES = {"cuda": int(2.5 * GiB), "cpu": 1 * GiB}
+CPU_RUNTIME_BYTES = {"cuda": 2 * GiB, "cpu": GiB // 2}
 # NF4 with double quantization (8-bit absmax per 64 weights, fp32 per 256 blocks); int8 + fp32 row scale
 QUANT_BYTES_PER_PARAM = {"4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0 + 4 / 4096}
 OPTIMIZER_BYTES_PER_PARAM = {"adamw": 8, "adamw8bit": 2}  # m and v
@@ -240,8 +240,18 @@ def _trace_settings(run: _Run, family: str, micro_batch: int) -> TraceSettings:
                          lora_targets=run.lora_targets, lora_dropout=run.lora_dropout)
 
 
+class PlanError(RuntimeError):
+    """The model could not be measured (its forward does not run on the meta device)."""
+
+
 def _activations(run: _Run, family: str, micro_batch: int) -> ActivationEstimate:
-    return estimate_activations(run.config, _trace_settings(run, family, micro_batch), run.trust_remote_code)
+    try:
+        return estimate_activations(run.config, _trace_settings(run, family, micro_batch), run.trust_remote_code)
+    except Exception as e:
+        arch = type(run.config).__name__.replace("Config", "")
+        raise PlanError(f"the activation trace of {arch} failed on the meta device ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}); the memory plan needs it. Fix: name a "
+                        "profile (profile=NAME) to train without the plan, and report the model") from e
 
 
 _ACT_PARTS = {"embeddings": "activations", "layer": "activations", "other": "activations",
@@ -379,8 +389,8 @@ def _not_available(p: Profile, run: _Run, cfg: Config, engines: set[str], hw: Ha
     if p.engine != "amp" and run.optimizer == "adamw8bit":
         return "train.optimizer=adamw8bit (bitsandbytes) runs on the AMP path only"
     if p.engine not in engines:
-        if p.engine == "deepspeed":
-            return f"DeepSpeed is not usable here ({hw.deepspeed_error or 'not available'})"
+        if p.engine == "deepspeed" and not hw.deepspeed:
+            return f"DeepSpeed is not usable here ({hw.deepspeed_error or 'not installed'})"
         return f"the {p.engine} engine is not available here"
     return None
 

@@ -264,28 +264,29 @@ def test_budgets():
 
 
 def test_auto_micro_batch_is_the_largest_power_of_two_that_fits():
-    base = ["data.seq_len=512", "train.global_batch_size=4", "engine=amp", "memory.cpu_budget=32"]
-    big = tiny_plan(*base, "train.micro_batch_size=auto", "memory.gpu_budget=40")
+    base = ["data.seq_len=512", "train.global_batch_size=4", "memory.cpu_budget=32"]
+    amp = {"profiles": ["amp-bf16"]}
+    big = tiny_plan(*base, "train.micro_batch_size=auto", "memory.gpu_budget=40", **amp)
     assert big.chosen_plan.micro_batch == 4
-    one = tiny_plan(*base, "train.micro_batch_size=1", "memory.gpu_budget=40").chosen_plan
-    two = tiny_plan(*base, "train.micro_batch_size=2", "memory.gpu_budget=40").chosen_plan
+    one = tiny_plan(*base, "train.micro_batch_size=1", "memory.gpu_budget=40", **amp).chosen_plan
+    two = tiny_plan(*base, "train.micro_batch_size=2", "memory.gpu_budget=40", **amp).chosen_plan
     budget = (one.gpu_bytes + two.gpu_bytes) / 2 / GiB  # room for micro-batch 1, not 2
-    small = tiny_plan(*base, "train.micro_batch_size=auto", f"memory.gpu_budget={budget}")
+    small = tiny_plan(*base, "train.micro_batch_size=auto", f"memory.gpu_budget={budget}", **amp)
     assert small.chosen_plan.micro_batch == 1 and small.micro_batch == 1
 
 
 def test_nothing_fits_gives_suggestions_that_fit():
     base = ["model.name=tiny", "data.seq_len=1024", "train.micro_batch_size=8", "train.global_batch_size=8",
             "memory.cpu_budget=16"]
-    hw = fake_hw(capability=(7, 5))
-    roomy = planner.plan(load_config(None, base), hw)
+    hw, amp = fake_hw(capability=(7, 5)), ["amp-fp16"]  # one profile: one trace family, a faster test
+    roomy = planner.plan(load_config(None, base), hw, profiles=amp)
     least = min(r.gpu_bytes for r in roomy.profiles if r.available)
     base.append(f"memory.gpu_budget={(least - 2**20) / GiB}")  # just short of the smallest profile
-    p = planner.plan(load_config(None, base), hw)
+    p = planner.plan(load_config(None, base), hw, profiles=amp)
     assert p.chosen is None and "nothing fits" in p.reason
     assert p.suggestions and len(p.suggestions) == len(p.suggested_overrides)
     for text, ov in zip(p.suggestions, p.suggested_overrides):
-        again = planner.plan(load_config(None, base + ov), hw, suggest=False)
+        again = planner.plan(load_config(None, base + ov), hw, profiles=amp, suggest=False)
         assert again.chosen is not None, text
         assert f"{again.chosen_plan.gpu_bytes / GiB:.1f} GiB" in text  # the numbers said are the re-plan's
 
