@@ -155,6 +155,11 @@ def param_groups(model, weight_decay: float) -> list[dict]:
 def save_final(model, out_dir: str, tokenizer=None, state_dict=None) -> None:
     """HF ``save_pretrained`` weights (or the adapter for a peft model) into ``out_dir``."""
     os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+    kw = {}
+    if hasattr(model, "peft_config"):
+        # Only linear layers carry adapters (launcher.lora), never the embeddings; saying so spares peft a hub
+        # lookup of the base's config.json that it makes to find out (and that fails offline).
+        kw["save_embedding_layers"] = False
+    model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True, **kw)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)

@@ -1,0 +1,191 @@
+"""Fine-tuning a local HF model directory (a tiny random Llama + a word-level tokenizer, made on the spot)
+on instruction records: LoRA on AMP and DeepSpeed (ZeRO-2, ZeRO-3 with offload), QLoRA, 8-bit AdamW,
+the saved adapter, the merged export, and the sample after training."""
+
+import os
+
+import pytest
+import torch
+
+from conftest import compare, losses, needs_deepspeed, run_inprocess
+from helpers_hf import make_model_dir, qa_records, write_jsonl
+from launcher.config import ConfigError
+from launcher.train import Hooks
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    model = make_model_dir(str(root / "model"))
+    data = write_jsonl(str(root / "qa.jsonl"), qa_records("prompt_response"))
+    return model, data
+
+
+def lora_args(hf, *extra, steps=12):
+    model, data = hf
+    return [f"model.name={model}", f"data.source={data}", "lora.r=8", "lora.alpha=16", "data.seq_len=32",
+            f"train.max_steps={steps}", "train.warmup_steps=2", "train.lr=2e-2", "train.micro_batch_size=4",
+            "train.global_batch_size=8", "log.every_steps=1000", "sample_tokens=4", *extra]
+
+
+class Capture:
+    """Keeps the engine and a copy of every parameter as it was before the first update."""
+
+    def __init__(self):
+        self.engine, self.before = None, {}
+
+    def hooks(self) -> Hooks:
+        def before_step(step, engine):
+            if self.engine is None:
+                self.engine = engine
+                self.before = {n: p.detach().clone() for n, p in engine.module().named_parameters()}
+        return Hooks(before_step=before_step)
+
+
+def falls(rows, by=0.3):
+    ls = losses(rows)
+    tail = sum(ls[-3:]) / 3
+    assert tail < ls[0] - by, f"loss did not fall: first {ls[0]:.4f}, last three {ls[-3:]}"
+
+
+def check_base_frozen(cap: Capture):
+    after = dict(cap.engine.module().named_parameters())
+    base = [n for n in cap.before if "lora_" not in n]
+    assert base and all(torch.equal(cap.before[n], after[n].detach()) for n in base), "a base weight changed"
+    assert all(not after[n].requires_grad for n in base)
+    moved = [n for n in cap.before if "lora_B" in n and not torch.equal(cap.before[n], after[n].detach())]
+    assert moved, "no adapter weight was trained"
+
+
+def logits(model, ids):
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+IDS = torch.tensor([[2, 30, 31, 7, 32, 33, 7, 34, 67, 40, 65]])
+
+
+def reload_adapter(model_dir, final):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), final)
+
+
+@needs_deepspeed
+def test_lora_amp_and_deepspeed_then_reload_and_merge(hf, tmp_path):
+    """LoRA on AMP (with gradient checkpointing) and on DeepSpeed ZeRO-2 fp32: the same loss curve, the loss
+    falls, base weights stay bit-identical, the saved adapter reloads to the same logits, and the merged
+    export loads with plain transformers and gives base + adapter's logits."""
+    from launcher.export import export
+
+    cap = Capture()
+    a, ra = run_inprocess(tmp_path, *lora_args(hf, "engine=amp", "run_name=amp", "model.gradient_checkpointing=true"),
+                          hooks=cap.hooks(), fast=False)
+    assert a["status"] == "completed" and a["engine"] == "amp"
+    falls(ra)
+    check_base_frozen(cap)
+    final = os.path.join(a["run_dir"], "final")
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= set(os.listdir(final))
+    reloaded = reload_adapter(hf[0], final)
+    trained = logits(cap.engine.module(), IDS)
+    assert (logits(reloaded, IDS) - trained).abs().max() < 1e-5
+
+    # the sample after training: the first record's prompt, greedy, in the summary and in sample.txt
+    assert a["sample"]["prompt"] == "what is the color of the sky ?"
+    assert "completion (" in open(os.path.join(a["run_dir"], "sample.txt")).read()
+
+    out = str(tmp_path / "merged")
+    msg = export(a["run_dir"], out, merge=True)
+    assert "merged the LoRA adapter" in msg and "adapter_config.json" not in os.listdir(out)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    diff = (logits(merged, IDS) - trained).abs()
+    print(f"merged vs base + adapter logits: max abs diff {diff.max():.2e}, mean {diff.mean():.2e}")
+    assert diff.max() < 1e-4
+    assert AutoTokenizer.from_pretrained(out).eos_token == "<eos>"
+    with pytest.raises(ConfigError, match="already exists"):
+        export(a["run_dir"], out, merge=True)
+    assert "copied the LoRA adapter" in export(a["run_dir"], str(tmp_path / "adapter"))
+
+    cap_ds = Capture()
+    d, rd = run_inprocess(tmp_path, *lora_args(hf, "profile=zero2-fp32", "run_name=ds"), hooks=cap_ds.hooks(),
+                          fast=False)
+    assert d["engine"] == "deepspeed"
+    mx, _ = compare(losses(rd), losses(ra), "LoRA zero2-fp32 vs amp-fp32 (+ checkpointing)")
+    assert mx < 1e-4
+    check_base_frozen(cap_ds)
+    ds_final = os.path.join(d["run_dir"], "final")
+    assert (logits(reload_adapter(hf[0], ds_final), IDS) - logits(cap_ds.engine.module(), IDS)).abs().max() < 1e-5
+
+
+@needs_deepspeed
+def test_lora_zero3_offload_saves_the_gathered_adapter(hf, tmp_path):
+    """ZeRO-3 partitions every parameter; the adapter in final/ must hold full tensors, trained."""
+    from safetensors.torch import load_file
+
+    s, rows = run_inprocess(tmp_path, *lora_args(hf, "profile=zero3-bf16-offload-all", "run_name=z3", steps=10),
+                            fast=False)
+    assert s["status"] == "completed" and s["optimizer"] == "DeepSpeedCPUAdam"
+    falls(rows)
+    final = os.path.join(s["run_dir"], "final")
+    sd = load_file(os.path.join(final, "adapter_model.safetensors"))
+    q = [k for k in sd if k.endswith("layers.0.self_attn.q_proj.lora_B.weight")]
+    assert q and sd[q[0]].shape == (64, 8) and sd[q[0]].abs().sum() > 0
+    assert len(sd) == 2 * 7 * 2  # lora_A and lora_B of 7 linear layers in 2 decoder layers, nothing else
+    reload_adapter(hf[0], final)
+
+
+def test_qlora_4bit(hf, tmp_path):
+    """QLoRA: NF4 base (Params4bit, uint8 storage) that stays unchanged, fp32 adapters that train. engine=auto
+    picks AMP and says why."""
+    cap = Capture()
+    s, rows = run_inprocess(tmp_path, *lora_args(hf, "model.quantize=4bit", "run_name=q4", steps=10),
+                            hooks=cap.hooks(), fast=False)
+    assert s["engine"] == "amp" and any("AMP path only" in r for r in s["reasons"]), s["reasons"]
+    falls(rows, by=0.2)
+    import bitsandbytes as bnb
+
+    model = cap.engine.module()
+    q4 = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(q4) == 14 and all(isinstance(m.weight, bnb.nn.Params4bit) and m.weight.dtype == torch.uint8
+                                 and m.weight.quant_type == "nf4" for m in q4)
+    check_base_frozen(cap)
+    adapters = [p for n, p in model.named_parameters() if p.requires_grad]
+    assert adapters and all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    assert all(p.dtype == torch.float32 for p in adapters)
+    reload_adapter(hf[0], os.path.join(s["run_dir"], "final"))
+
+
+def test_adamw8bit_states_are_uint8(hf, tmp_path):
+    """8-bit AdamW (full fine-tune): Adam's m and v of every tensor of >= 4096 elements are uint8 (blockwise
+    quantized; bitsandbytes keeps smaller tensors' states in fp32), and the loss falls."""
+    cap = Capture()
+    s, rows = run_inprocess(tmp_path, *lora_args(hf, "lora.r=0", "train.optimizer=adamw8bit", "train.lr=5e-3",
+                                                 "run_name=o8", steps=10), hooks=cap.hooks(), fast=False)
+    assert s["optimizer"] == "bitsandbytes.optim.AdamW8bit"
+    falls(rows)
+    opt = cap.engine.optimizer
+    big = [p for g in opt.param_groups for p in g["params"] if p.numel() >= 4096]
+    assert big and all(opt.state[p]["state1"].dtype == torch.uint8 and opt.state[p]["state2"].dtype == torch.uint8
+                       for p in big)
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(os.listdir(os.path.join(s["run_dir"], "final")))
+
+
+def test_preset_int8_lora_and_token_id_sample(tmp_path):
+    """A preset has no tokenizer: 8-bit base weights quantized in place, LoRA on top, synthetic data, and the
+    sample printed as token ids."""
+    cap = Capture()
+    # LLM.int8() runs its matmuls in fp16 on the CPU, slowly: one small step is enough to check the wiring
+    s, _ = run_inprocess(tmp_path, "model.quantize=8bit", "lora.r=4", "run_name=p8", "train.max_steps=1",
+                         "train.warmup_steps=0", "train.global_batch_size=2", "data.seq_len=16", "sample_tokens=2",
+                         hooks=cap.hooks())
+    import bitsandbytes as bnb
+
+    q8 = [m for m in cap.engine.module().modules() if isinstance(m, bnb.nn.Linear8bitLt)]
+    assert len(q8) == 4 * 7 and all(m.weight.dtype == torch.int8 for m in q8)
+    check_base_frozen(cap)
+    assert len(s["sample"]["prompt"].split()) == 8 and len(s["sample"]["completion"].split()) == 2
+    assert "prompt ids:" in open(os.path.join(s["run_dir"], "sample.txt")).read()
