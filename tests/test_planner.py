@@ -136,6 +136,21 @@ def test_depth_extrapolation_is_exact(checkpointing, autocast):
     assert est.saved["layers"] == full.saved_layers
 
 
+def test_other_architectures_trace_on_meta():
+    """No formula per family: learned positions (OPT), no SDPA support (Gemma 2 runs eager), mixture of
+    experts (Mixtral's grouped matmuls under autocast)."""
+    import transformers as T
+
+    common = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_hidden_layers=3)
+    for cfg in (T.OPTConfig(ffn_dim=128, word_embed_proj_dim=64, **common),
+                T.Gemma2Config(intermediate_size=128, num_key_value_heads=2, head_dim=16, **common),
+                T.MixtralConfig(intermediate_size=128, num_key_value_heads=2, num_local_experts=4,
+                                num_experts_per_tok=2, **common)):
+        est = estimate_activations(cfg, TraceSettings(batch_size=2, seq_len=32, autocast_dtype=torch.bfloat16,
+                                                      attention_kernel="flash"))
+        assert est.peak > est.saved["layers"] > 0, type(cfg).__name__
+
+
 def test_seven_b_traces_in_seconds():
     from launcher.presets import preset_config
 

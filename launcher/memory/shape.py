@@ -24,9 +24,18 @@ def resolve_model_config(name: str, trust_remote_code: bool = False):
 
     if name in PRESETS:
         return preset_config(name)
+    import os
+
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+    from launcher.config import ConfigError
+
+    try:
+        return AutoConfig.from_pretrained(os.path.expanduser(name), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ConfigError([f"model.name: {name!r} has no loadable config ({str(e).splitlines()[0]}); rule: a preset "
+                           f"({', '.join(PRESETS)}), a local model directory with config.json, or a reachable hub "
+                           "id; fix: check the name or path"]) from None
 
 
 def num_layers(config) -> int:
@@ -89,9 +98,16 @@ def build_meta_model(config, *, attn_implementation: str = "eager", dtype: torch
     """
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype,
-                                                 trust_remote_code=trust_remote_code)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype,
+                                                     trust_remote_code=trust_remote_code)
+    except ValueError as e:  # an architecture without SDPA support runs eager attention
+        if attn_implementation != "sdpa" or "scaled_dot_product_attention" not in str(e):
+            raise
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype,
+                                                     trust_remote_code=trust_remote_code)
     if lora_r:
         from peft import LoraConfig, get_peft_model
 

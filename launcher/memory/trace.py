@@ -63,7 +63,7 @@ from launcher.memory.shape import (ALL_LINEAR, base_model, build_meta_model, con
 
 _MATMULS = {"linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "baddbmm", "addmm", "addbmm", "conv1d",
             "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "conv_tbc", "prelu",
-            "scaled_dot_product_attention"}
+            "scaled_dot_product_attention", "grouped_mm", "_grouped_mm"}  # grouped_mm: mixture-of-experts
 AUTOCAST_POLICY = {
     "cuda": {
         "lower": _MATMULS | {"addmv", "addr", "mv", "einsum", "chain_matmul", "multi_dot", "lstm_cell", "gru_cell",
