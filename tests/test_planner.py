@@ -316,7 +316,7 @@ def test_seventy_b_plans_in_seconds(tmp_path):
                              "lora.r=16", "model.gradient_checkpointing=true"])
     t = time.perf_counter()
     p = planner.plan(cfg, fake_hw(gpu_gib=80, ram_gib=1024, capability=(9, 0)))
-    assert time.perf_counter() - t < 30
+    assert time.perf_counter() - t < 20
     assert 70e9 < p.model["params"] < 71e9
     assert p.chosen is not None and not p.chosen_plan.lower_bound
     # 70.6B frozen bf16 parameters do not fit 80 GB next to anything else; ZeRO-3 parameter offload does
