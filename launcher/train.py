@@ -196,9 +196,12 @@ def build_engine(cfg: Config, res: Resolved, model, hw: Hardware, hidden_size: i
     if res.engine == "fsdp":
         from launcher.engines.fsdp import FsdpEngine
 
+        n_train = sum(p.numel() for g in groups for p in g["params"])
+        pin, why = pin_memory_ok(hw, 8 * n_train)  # the fp32 weight and gradient shards FSDP keeps on the CPU
+        log(f"pin_memory {'on' if pin else 'off'}: {why}")
         return FsdpEngine(model, precision=res.precision, device=res.device, lr=lr_at(0, cfg), betas=betas,
                           eps=t.eps, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-                          loss_scale=cfg.loss_scale), None
+                          loss_scale=cfg.loss_scale, pin_memory=pin), None
     from launcher.engines.amp import AmpEngine
 
     return AmpEngine(model, precision=res.precision, device=res.device, param_groups=groups, lr=lr_at(0, cfg),

@@ -1,0 +1,248 @@
+"""torch FSDP2 with CPU offload: the third engine, for when the model does not fit on the GPU and
+DeepSpeed is missing (or the user asks for it).
+
+Each decoder layer, the input embeddings and the output head are their own ``fully_shard`` unit, and the
+model is the root unit. With ``CPUOffloadPolicy`` the fp32 parameters, their gradients and the AdamW
+moments live in CPU RAM; a unit's parameters are copied to the GPU (and cast to 16 bits by
+``MixedPrecisionPolicy``) just before its forward or backward and freed after, so the GPU holds about
+two units' 16-bit weights (FSDP prefetches the next one), one unit's gradients and the activations.
+Gradients are reduced in fp32 and land on the CPU; the optimizer step runs there with
+``torch.optim.AdamW(fused=True)`` (scripts/bench_optimizers.py measures it against DeepSpeedCPUAdam).
+
+fp16 uses ``torch.amp.GradScaler`` with the numbers of the other paths. ``ShardedGradScaler`` is FSDP1's:
+FSDP2 gradients are DTensors, and DTensor runs the scaler's inf/nan check on each rank's shard and then
+all-reduces ``found_inf`` over the mesh, so every rank skips the same steps with the plain scaler.
+
+One GPU or CPU: a process group of one is made when there is none (as DeepSpeed does). Offloaded
+tensors live on the CPU, so the clip-norm and inf/nan reductions run on CPU tensors: on CUDA the process
+group must carry a CPU backend, which is why it is ``cuda:nccl,cpu:gloo`` (a group of that kind is made
+for FSDP when the default one has only NCCL).
+
+On a CPU-only host (CI) the same code runs with the mesh on the CPU: the offload policy then copies
+nothing (``pin_memory`` off), MixedPrecisionPolicy computes in bf16/fp16, and the optimizer, scaler and
+checkpoint paths are those a GPU run takes.
+
+Checkpoints are torch distributed checkpoints (DCP): every rank writes its own shards of the model and
+optimizer, so they resume on the same or another number of ranks; the scaler and the loop's client
+state go beside them, one small file per rank. ``save_final`` gathers the full fp32 weights onto rank 0
+and writes them with ``save_pretrained``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from launcher.engines.amp import make_optimizer, make_scaler
+from launcher.engines.base import StepResult, autocast_dtype, batch_to
+from launcher.engines.deepspeed import ensure_dist_env
+
+
+def process_group_backend(device: torch.device) -> str:
+    """NCCL for the GPU collectives plus gloo for the CPU ones (offloaded grads, norms, found_inf)."""
+    return "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+
+
+def _mesh(device: torch.device):
+    """(DeviceMesh, ProcessGroup) over all ranks, with a backend for both ``device`` and the CPU."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not dist.is_initialized():
+        ensure_dist_env()
+        dist.init_process_group(process_group_backend(device))
+    group = dist.group.WORLD
+    have = dist.get_backend_config()  # e.g. 'cuda:nccl', 'cpu:gloo,cuda:gloo', 'cuda:nccl,cpu:gloo'
+    if "cpu:" not in have or f"{device.type}:" not in have:
+        group = dist.new_group(backend=process_group_backend(device))  # collective: every rank gets here
+    return DeviceMesh.from_group(group, device.type), group
+
+
+def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules that become their own FSDP unit, in forward order: embeddings, each decoder layer, head.
+
+    Tied input and output embeddings share one weight, which can only belong to one unit: then both
+    stay in the root unit.
+    """
+    from launcher.memory.shape import base_model, decoder_layers
+
+    base = base_model(model)
+    layers = list(decoder_layers(model))
+    emb, head = base.get_input_embeddings(), base.get_output_embeddings()
+    tied = emb is not None and head is not None and emb.weight is head.weight
+    units = [] if tied or emb is None else [emb]
+    units += layers
+    if head is not None and not tied:
+        units.append(head)
+    return units
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class FsdpEngine:
+    name = "fsdp"
+
+    def __init__(self, model: torch.nn.Module, *, precision: str, device: torch.device, lr: float, betas,
+                 eps: float, weight_decay: float, grad_clip: float, loss_scale, offload: bool = True,
+                 pin_memory: bool = False):
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        from launcher.models import param_groups
+
+        self.device = device
+        self.precision = precision
+        self.grad_clip = grad_clip
+        self.mesh, self.group = _mesh(device)
+        self.world = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        dtype = autocast_dtype(precision)
+        # Gradients are reduced and accumulated in fp32 whatever the compute dtype: on one GPU the
+        # reduce-scatter is a copy, and fp32 keeps accumulation over micro-batches as exact as AMP's.
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        off = CPUOffloadPolicy(pin_memory=pin_memory and device.type == "cuda") if offload else OffloadPolicy()
+        self.offload = offload
+        # fully_shard moves each unit's parameters to the device, shards them and (offload) copies the shard
+        # back to the CPU, one unit at a time: the whole model is never on the GPU at once.
+        for unit in shard_units(model):
+            fully_shard(unit, mesh=self.mesh, mp_policy=mp, offload_policy=off)
+        fully_shard(model, mesh=self.mesh, mp_policy=mp, offload_policy=off)
+        self.model = model
+        self.model.train()
+        groups = param_groups(model, weight_decay)  # after sharding: the parameters are now DTensors
+        self.params = [p for g in groups for p in g["params"]]
+        self.optimizer, opt_name = make_optimizer(groups, lr=lr, betas=betas, eps=eps, device=device)
+        where = self.params[0].device.type if self.params else device.type
+        self.optimizer_name = f"{opt_name} on {where}"
+        self.scaler = make_scaler(device, precision, loss_scale)
+        self.min_scale = float(loss_scale.min_scale)
+        self.nonfinite: list[str] = []  # parameters whose gradients held inf/nan at the last overflow
+
+    # ---- training
+    def forward_backward(self, batch: dict, accumulation: int) -> torch.Tensor:
+        loss = self.model(**batch_to(batch, self.device)).loss
+        # Each backward reduce-scatters this micro-batch's gradients and adds them to the (CPU) shards.
+        self.scaler.scale(loss / accumulation).backward()
+        return loss.detach().float()
+
+    def _clip(self) -> float:
+        """Global gradient norm over every rank's shards, then clip to ``grad_clip`` (as torch's clip_grad_norm_)."""
+        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        if not grads:
+            return 0.0
+        sq = torch.stack([n.float() for n in torch._foreach_norm(grads, 2.0)]).pow(2).sum()
+        if self.world > 1:
+            dist.all_reduce(sq, group=self.group)  # CPU tensor: the group's gloo backend
+        norm = sq.sqrt()
+        if self.grad_clip > 0:
+            coef = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_(grads, coef)
+        return float(norm)
+
+    def step(self, lr: float) -> StepResult:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.scaler.unscale_(self.optimizer)  # inf/nan check per shard; found_inf is all-reduced by DTensor
+        norm = self._clip()
+        scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
+        if not torch.isfinite(torch.tensor(norm)):
+            self.nonfinite = [n for n, p in self.model.named_parameters()
+                              if p.grad is not None and not torch.isfinite(_local(p.grad)).all()]
+        self.scaler.step(self.optimizer)  # skipped on every rank when any rank saw inf/nan
+        self.scaler.update()
+        if self.scaler.is_enabled() and self.scaler.get_scale() < self.min_scale:
+            self.scaler.update(self.min_scale)  # same floor as DeepSpeed's min_loss_scale
+        self.optimizer.zero_grad(set_to_none=True)
+        skipped = scale is not None and not torch.isfinite(torch.tensor(norm))
+        return StepResult(skipped=bool(skipped), loss_scale=self.scaler.get_scale() if scale is not None else None,
+                          grad_norm=norm)
+
+    @torch.no_grad()
+    def eval_loss(self, batch: dict) -> float:
+        self.model.eval()
+        try:
+            return float(self.model(**batch_to(batch, self.device)).loss)
+        finally:
+            self.model.train()
+
+    def reset_micro_batch(self, micro_batch: int, accumulation: int) -> None:
+        """Drop a partly accumulated step (after an OOM); the micro-batch size is the loop's business."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # ---- checkpoints
+    def save(self, directory: str, client_state: dict) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=directory, process_group=self.group)
+        torch.save({"scaler": self.scaler.state_dict(), "client_state": client_state, "world": self.world},
+                   os.path.join(directory, f"engine-rank{self.rank:05d}.pt"))
+
+    def load(self, directory: str) -> dict:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)  # the shapes to load into
+        state = {"model": model_sd, "optimizer": optim_sd}
+        dcp.load(state, checkpoint_id=directory, process_group=self.group)  # reshards when the world changed
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        mine = os.path.join(directory, f"engine-rank{self.rank:05d}.pt")
+        extra = torch.load(mine if os.path.exists(mine) else os.path.join(directory, "engine-rank00000.pt"),
+                           map_location="cpu", weights_only=False)
+        self.scaler.load_state_dict(extra["scaler"])
+        return extra["client_state"]
+
+    def full_state_dict(self) -> dict:
+        """Full (unsharded) fp32 weights on the CPU of rank 0 ({} on the others). Collective."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def save_final(self, directory: str) -> None:
+        from launcher.models import save_final
+
+        state = self.full_state_dict()
+        if self.rank == 0:
+            save_final(self.model, directory, state_dict=state)  # transformers drops the FSDP class prefix
+        dist.barrier(group=self.group)
+
+    def module(self) -> torch.nn.Module:
+        return self.model
+
+    # ---- moving to another engine (OOM ladder) and back
+    def portable_state(self) -> dict:
+        """fp32 weights and Adam moments by parameter name, full and on the CPU of every rank. Collective."""
+        out = {}
+        for name, p in self.model.named_parameters():
+            if not p.requires_grad:
+                continue
+            st = self.optimizer.state.get(p, {})
+            out[name] = {"param": p.detach().full_tensor().float().cpu(),
+                         **{k: st[k].full_tensor().float().cpu() for k in ("exp_avg", "exp_avg_sq") if k in st}}
+        return out
+
+    @torch.no_grad()
+    def load_portable_state(self, state: dict, step: int) -> None:
+        for name, p in self.model.named_parameters():
+            if name not in state:
+                continue
+            _local(p).copy_(self._my_shard(state[name]["param"], p))
+            if "exp_avg" in state[name]:
+                st = {"step": torch.tensor(float(step), dtype=torch.float32,
+                                           device=p.device if self.optimizer.defaults.get("fused") else "cpu")}
+                for k in ("exp_avg", "exp_avg_sq"):
+                    st[k] = torch.zeros_like(p)
+                    _local(st[k]).copy_(self._my_shard(state[name][k], p))
+                self.optimizer.state[p] = st
+
+    def _my_shard(self, full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``full`` under FSDP's dim-0 sharding (chunks of ceil(rows / world))."""
+        local = _local(like)
+        rows = -(-full.shape[0] // self.world)
+        start = min(self.rank * rows, full.shape[0])
+        return full.narrow(0, start, local.shape[0]).to(local.device, local.dtype)
+
