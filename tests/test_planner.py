@@ -154,6 +154,7 @@ def test_other_architectures_trace_on_meta():
 def test_seven_b_traces_in_seconds():
     from launcher.presets import preset_config
 
+    trace_depth(preset_config("tiny"), 1, TraceSettings(batch_size=1, seq_len=8))  # imports, out of the timing
     t = time.perf_counter()
     est = estimate_activations(preset_config("llama-7b"),
                                TraceSettings(batch_size=1, seq_len=2048, param_dtype=torch.bfloat16,
