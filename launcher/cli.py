@@ -167,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import warnings
+
+    # transformers' deprecation notices about its own internals say nothing a user can act on
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\.")
     argv = strip_local_rank(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
     try:

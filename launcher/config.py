@@ -203,6 +203,9 @@ def _coerce(key: str, value: Any, f: dataclasses.Field, problems: list[str]):
     elif want is str:
         if isinstance(value, (dict, list)):
             ok = False
+        elif isinstance(value, bool):  # YAML reads on/off/yes/no as booleans
+            choices = meta.get("choices") or ()
+            out = ("on" if value else "off") if "on" in choices else str(value).lower()
         else:
             out = "" if value is None else str(value)
     elif want is list or get_origin(want) is list:

@@ -40,8 +40,19 @@ def model_config(cfg: Config):
                            "reachable from here; fix: pass a local directory or a preset"]) from None
 
 
-def attn_impl(cfg: Config) -> str:
-    return "sdpa" if cfg.model.attn_implementation == "auto" else cfg.model.attn_implementation
+def attn_impl(cfg: Config, hf_config=None) -> str:
+    """``auto``: sdpa (fused kernels) where the architecture supports it, else eager."""
+    if cfg.model.attn_implementation != "auto":
+        return cfg.model.attn_implementation
+    if hf_config is None:
+        return "sdpa"
+    try:
+        from transformers import AutoModelForCausalLM
+
+        cls = AutoModelForCausalLM._model_mapping[type(hf_config)]
+        return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+    except (KeyError, AttributeError):  # custom code models: let transformers pick
+        return "sdpa"
 
 
 def weight_dtype(cfg: Config, engine: str, precision: str) -> torch.dtype:
@@ -96,7 +107,7 @@ def build_model(cfg: Config, dtype: torch.dtype = torch.float32, hf_config=None,
     device = device or torch.device("cpu")
     if cfg.model.name in PRESETS:
         torch.manual_seed(cfg.seed)
-        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_impl(cfg), dtype=dtype)
+        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_impl(cfg, hf_config), dtype=dtype)
         if quant != "none":
             from launcher.lora import quantize_in_place
 
@@ -108,7 +119,7 @@ def build_model(cfg: Config, dtype: torch.dtype = torch.float32, hf_config=None,
 
             kw = {"quantization_config": bnb_config(quant, precision), "device_map": {"": device}}
         model = AutoModelForCausalLM.from_pretrained(
-            os.path.expanduser(cfg.model.name), config=hf_config, dtype=dtype, attn_implementation=attn_impl(cfg),
+            os.path.expanduser(cfg.model.name), config=hf_config, dtype=dtype, attn_implementation=attn_impl(cfg, hf_config),
             trust_remote_code=cfg.model.trust_remote_code, **kw)
     model.config.use_cache = False
     if quant != "none":

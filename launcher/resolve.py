@@ -7,7 +7,7 @@ the CPU. ``engine=auto``: DeepSpeed when it imports and can run the profile, els
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -124,12 +124,24 @@ def resolve(cfg: Config, hw: Hardware, world: int = 1) -> Resolved:
         p = PROFILES[cfg.profile]
         why = engine_problems(p, cfg, hw, device)
         if why:
-            alt, _ = candidate_order(cfg.__class__(**{**cfg.__dict__, "engine": AUTO}), hw, precision, device)
+            alt, _ = candidate_order(replace(cfg, engine=AUTO), hw, precision, device)
             fix = f"profile={alt[0].name}" if alt else "profile=auto"
             raise ConfigError([f"profile: got {cfg.profile!r}; rule: its engine must be usable here, but {why}; "
                                f"fix: {fix}" + (" or pip install 'vramfit[deepspeed]'" if "not installed" in why else "")])
-        chosen, plan = p, None
+        chosen, plan = p, _plan_one(cfg, hw, p)
         reasons.append(f"profile {p.name} as asked")
+        row = plan.get(p.name) if plan is not None else None
+        if row is not None and not row.fits:
+            over_cpu = row.cpu_bytes > plan.budget["cpu_bytes"]
+            if over_cpu:  # a host OOM kill loses the run: refuse before anything is loaded
+                raise ConfigError([f"memory: profile {p.name} needs {row.cpu_bytes / 2**30:.1f} GiB of CPU RAM, the "
+                                   f"budget is {plan.budget['cpu_bytes'] / 2**30:.1f} GiB ({plan.budget['cpu_source']}); "
+                                   "rule: planned host memory must fit, or the kernel kills the run; fix: "
+                                   + ("; ".join(plan.suggestions) if plan.suggestions else
+                                      "a profile that offloads less, LoRA (lora.r=16), or memory.cpu_budget=GiB "
+                                      "if RAM will be free")], "memory plan")
+            reasons.append(f"warning: the plan puts {p.name} over the GPU budget ({row.why_not}); the OOM ladder "
+                           "will step in if it runs out")
     else:
         order, dropped = candidate_order(cfg, hw, precision, device)
         if not order:
@@ -155,6 +167,13 @@ def resolve(cfg: Config, hw: Hardware, world: int = 1) -> Resolved:
                            f"train.global_batch_size={max(per_step, cfg.train.global_batch_size // per_step * per_step)}"])
     accumulation = cfg.train.global_batch_size // per_step
     return Resolved(device, precision, chosen, micro, accumulation, world, reasons, plan)
+
+
+def _plan_one(cfg: Config, hw: Hardware, p: Profile):
+    """The planner's view of one profile asked for by name (for the prediction and the host-RAM check)."""
+    from launcher import planner
+
+    return planner.plan(cfg, hw, profiles=[p.name], available_engines={p.engine}, suggest=True)
 
 
 def _choose(cfg: Config, hw: Hardware, order: list[Profile], device: torch.device):

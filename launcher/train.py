@@ -269,6 +269,10 @@ def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -
         return engine, model
 
     engine, model = make_engine(rung)
+    init_peak_gpu = None
+    if device.type == "cuda":  # engine set-up can briefly hold two copies of the weights; training is measured apart
+        init_peak_gpu = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
     n_total, n_train = count_params(model)
     log(f"model {cfg.model.name}: {n_total / 1e6:.2f}M parameters ({n_train / 1e6:.2f}M trainable); "
         f"data: {len(train_data)} samples of {seq_len} tokens, {data.description}")
@@ -404,7 +408,9 @@ def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -
         "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "peak_gpu_reserved_bytes": torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None,
         "peak_cpu_rss_bytes": peak_rss,
+        "peak_gpu_init_bytes": init_peak_gpu,
         "predicted_gpu_bytes": _pick(res.plan, "gpu_bytes"), "predicted_cpu_bytes": _pick(res.plan, "cpu_bytes"),
+        "predicted_gpu_tensor_bytes": _pick(res.plan, "gpu_tensor_bytes"),
         "skipped_steps": st.skipped, "fallbacks": st.fallbacks, "resumed_from": st.resumed_from,
         "optimizer": engine.optimizer_name, "micro_batch": rung.micro_batch, "accumulation": rung.accumulation,
         "gradient_checkpointing": rung.checkpointing, "world_size": dist.world,

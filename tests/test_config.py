@@ -107,3 +107,9 @@ def test_readme_generated_sections_are_current():
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "update_readme.py"), "--check"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_yaml_booleans_in_string_fields():
+    """YAML 1.1 reads `off` as false; a string field with on/off choices takes it back."""
+    assert load_config(None, ["log.progress=off"]).log.progress == "off"
+    assert load_config(None, ["log.progress=on"]).log.progress == "on"

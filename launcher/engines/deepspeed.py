@@ -55,12 +55,12 @@ class DeepSpeedEngine:
             scaler.raise_error_at_min_scale = False
 
     def forward_backward(self, batch: dict, accumulation: int) -> torch.Tensor:
-        out = self.engine(**batch_to(batch, self.engine.device))
-        self.engine.backward(out.loss)
+        loss = self.engine(**batch_to(batch, self.engine.device)).loss  # the logits are not kept through backward
+        self.engine.backward(loss)
         self._micro += 1
         if self._micro < accumulation:
             self.engine.step()  # not a boundary: DeepSpeed only counts the micro-step
-        return out.loss.detach().float()
+        return loss.detach().float()
 
     def step(self, lr: float) -> StepResult:
         for g in self.optimizer.param_groups:

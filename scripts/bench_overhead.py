@@ -1,0 +1,104 @@
+"""vramfit's AMP path against a minimal hand-written torch loop: same model, batches, optimizer, schedule.
+
+    python scripts/bench_overhead.py [--steps 60] [--repeats 3] [key=value ...] [--json OUT]
+
+Both train the demo's tiny Llama on the synthetic task for the same steps; the first 5 steps of each
+are warm-up and not timed. Runs alternate (bare, vramfit, bare, ...) so that a busy machine slows both
+alike; the median tokens/s of each is compared. Target: vramfit >= 0.95x the bare loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from launcher.config import load_config  # noqa: E402
+from launcher.data import micro_batches, synthetic_task  # noqa: E402
+from launcher.models import build_model, model_config, param_groups  # noqa: E402
+
+WARMUP = 5
+
+
+def bare_loop(cfg) -> float:
+    """The loop a user would write by hand: tokens/s over the timed steps."""
+    model = build_model(cfg, torch.float32, model_config(cfg))
+    model.train()
+    t = cfg.train
+    opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                            fused=True)
+    data = synthetic_task(cfg.data.num_samples, cfg.data.seq_len, cfg.data.vocab_size, cfg.seed)
+    micro, accum = t.micro_batch_size, t.global_batch_size // t.micro_batch_size
+    params = [p for p in model.parameters() if p.requires_grad]
+    for step in range(t.max_steps):
+        if step == WARMUP:
+            t0 = time.perf_counter()
+        lr = t.lr * min(1.0, (step + 1) / max(1, t.warmup_steps))
+        if step >= t.warmup_steps:
+            p = (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps)
+            lr = t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        for rows in micro_batches(step, t.global_batch_size, micro, 0, 1, len(data), cfg.seed):
+            b = data.batch(rows)
+            loss = model(input_ids=b["input_ids"], labels=b["labels"]).loss
+            (loss / accum).backward()
+        torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        float(loss)  # the bare loop also reads the loss each step
+    dt = time.perf_counter() - t0
+    return (t.max_steps - WARMUP) * t.global_batch_size * cfg.data.seq_len / dt
+
+
+def vramfit_loop(overrides: list[str]) -> float:
+    from launcher.train import train
+
+    with tempfile.TemporaryDirectory() as d:
+        cfg = load_config(None, [*overrides, f"output_dir={d}", "run_name=bench"])
+        s = train(cfg)
+        rows = [json.loads(x) for x in open(os.path.join(s["run_dir"], "metrics.jsonl"))]
+    timed = rows[WARMUP:]
+    elapsed = timed[-1]["time_s"] - rows[WARMUP - 1]["time_s"]
+    return len(timed) * cfg.train.global_batch_size * cfg.data.seq_len / elapsed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args()
+    overrides = ["engine=amp", "device=cpu", f"train.max_steps={a.steps}", "train.warmup_steps=5",
+                 "log.every_steps=1000000", "sample_tokens=0", "log.progress=off", *a.overrides]
+    cfg = load_config(None, overrides)
+    torch.manual_seed(0)
+    bare, ours = [], []
+    for i in range(a.repeats):
+        bare.append(bare_loop(cfg))
+        ours.append(vramfit_loop(overrides))
+        print(f"repeat {i + 1}: bare {bare[-1]:.0f} tok/s, vramfit {ours[-1]:.0f} tok/s", flush=True)
+    b, v = statistics.median(bare), statistics.median(ours)
+    result = {"bare_tokens_per_s": b, "vramfit_tokens_per_s": v, "ratio": v / b, "repeats": a.repeats,
+              "steps": a.steps, "timed_steps": a.steps - WARMUP, "overrides": overrides,
+              "torch": torch.__version__, "threads": torch.get_num_threads(), "all_bare": bare, "all_vramfit": ours}
+    print(f"\n| loop | tokens/s (median of {a.repeats}) |\n| --- | --- |\n| bare torch | {b:.0f} |\n"
+          f"| vramfit AMP | {v:.0f} |\n\nratio vramfit / bare = {v / b:.3f} (target >= 0.95)")
+    if a.json:
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+        json.dump(result, open(a.json, "w"), indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
