@@ -252,6 +252,7 @@ def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.cuda.reset_peak_memory_stats(device)
+        enforce_gpu_budget(cfg, device)
     # ---- model, engine
 
     def make_engine(rung: Rung):
@@ -421,6 +422,18 @@ def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -
     rd.write_json("summary.json", summary)
     _print_summary(summary)
     return summary
+
+
+def enforce_gpu_budget(cfg: Config, device: torch.device) -> None:
+    """``memory.gpu_budget=GiB`` on a bigger card: cap this process's allocator, so that a 16 GB card can be
+    reproduced on any larger one (allocations past the cap raise OutOfMemoryError like a full card)."""
+    if cfg.memory.gpu_budget == "auto":
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    budget = float(cfg.memory.gpu_budget) * 2**30
+    if budget < total:
+        torch.cuda.set_per_process_memory_fraction(budget / total, device)
+        log(f"GPU budget {cfg.memory.gpu_budget} GiB enforced: {budget / total:.1%} of {total / 2**30:.1f} GiB")
 
 
 def free_memory(device: torch.device) -> None:
