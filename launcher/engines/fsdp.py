@@ -168,7 +168,23 @@ class FsdpEngine:
             self.model.train()
 
     def reset_micro_batch(self, micro_batch: int, accumulation: int) -> None:
-        """Drop a partly accumulated step (after an OOM); the micro-batch size is the loop's business."""
+        """Drop a partly accumulated step (after an OOM); the micro-batch size is the loop's business.
+
+        An OOM inside backward leaves FSDP mid-iteration: its end-of-backward callback was queued but never
+        ran, so it would not be queued again and units whose inputs need no gradient (the embeddings) would
+        never reduce their gradients. Run that callback now, reshard every unit, then drop the gradients.
+        (FSDP2 has no public reset; the private names are looked up and skipped when absent.)
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        state = getattr(self.model, "_get_fsdp_state", lambda: None)()
+        ctx = getattr(state, "_state_ctx", None)
+        if getattr(ctx, "post_backward_final_callback_queued", False) and hasattr(
+                state, "_root_post_backward_final_callback"):
+            state._root_post_backward_final_callback()
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
         self.optimizer.zero_grad(set_to_none=True)
 
     # ---- checkpoints
