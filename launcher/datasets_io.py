@@ -56,14 +56,14 @@ def resolve_path(cfg: Config) -> tuple[str, str]:
     if not os.path.exists(path):
         raise ConfigError([f"data.source: {src!r} not found (looked for {path}); rule: 'synthetic' or an existing "
                            f"{'/'.join(e[1:] for e in EXTENSIONS)} file; fix: check the path (relative paths start "
-                           f"from {os.getcwd()})"])
+                           f"from {os.getcwd()})"], "data")
     if os.path.isdir(path):
         raise ConfigError([f"data.source: {src!r} is a directory; rule: one data file; fix: data.source=<a "
-                           f"{'/'.join(e[1:] for e in EXTENSIONS)} file inside it>"])
+                           f"{'/'.join(e[1:] for e in EXTENSIONS)} file inside it>"], "data")
     ext = os.path.splitext(path)[1].lower()
     if ext not in EXTENSIONS:
         raise ConfigError([f"data.source: {src!r} has extension {ext or '(none)'!r}; rule: one of "
-                           f"{', '.join(EXTENSIONS)}; fix: convert the file or rename it to the extension of its format"])
+                           f"{', '.join(EXTENSIONS)}; fix: convert the file or rename it to the extension of its format"], "data")
     return path, EXTENSIONS[ext]
 
 

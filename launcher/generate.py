@@ -95,5 +95,6 @@ def run_sample(engine, prompt: list[int] | None, cfg: Config, tokenizer, precisi
                 f"\nprompt ids: {prompt}\ncompletion ids: {completion}\n")
         with open(os.path.join(run_dir, "sample.txt"), "w") as fh:
             fh.write(text)
-        log(f"sample: {s['prompt']!r} -> {s['completion']!r} (sample.txt)")
+        shown = s["prompt"] if len(s["prompt"]) <= 100 else "..." + s["prompt"][-97:]  # the whole prompt is in sample.txt
+        log(f"sample: {shown!r} -> {s['completion']!r} (sample.txt)")
     return {"prompt": s["prompt"], "completion": s["completion"]}

@@ -59,7 +59,8 @@ def resolve_targets(cfg: Config, model: torch.nn.Module) -> list[str]:
     every = [n for n, m in model.named_modules() if n and is_linear(m)]  # the head may be named explicitly
     unknown = [t for t in wanted if not any(matches(t, n) for n in every)]
     if unknown:
-        raise ConfigError([f"lora.target_modules: {', '.join(map(repr, unknown))} match no linear layer of "
+        verb = "matches" if len(unknown) == 1 else "match"
+        raise ConfigError([f"lora.target_modules: {', '.join(map(repr, unknown))} {verb} no linear layer of "
                            f"{cfg.model.name!r}; rule: names of linear modules (or a dotted suffix of one); the "
                            f"model's linear layers are: {', '.join(leaf_names(every))}; fix: "
                            f"lora.target_modules=all-linear, or a subset of those names"])

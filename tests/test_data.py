@@ -201,7 +201,7 @@ def test_bad_input_stops_before_the_run_directory(model_dir, tmp_path, bad):
     with pytest.raises(ConfigError) as e:
         train(cfg)
     want = {"missing": "not found", "badline": "line 2:", "seq_len": "maximum of 128 positions",
-            "targets": "'nothing' match no linear layer"}[bad]
+            "targets": "'nothing' matches no linear layer"}[bad]
     assert want in str(e.value)
     assert not os.path.exists(tmp_path / "runs" / "r")
 
@@ -222,3 +222,11 @@ def test_sample_prompt_comes_from_the_data(model_dir, tmp_path):
     assert generate.prompt_ids(load_config(None, ["sample_prompt=5 17 42"]), None, None) == [5, 17, 42]
     assert generate.prompt_ids(load_config(None, ["sample_tokens=0"]), tok, data) is None
     assert isinstance(torch.tensor(ids), torch.Tensor)
+
+
+@pytest.mark.parametrize("name,fmt", [("alpaca-mini.jsonl", "alpaca"), ("chat-mini.jsonl", "messages")])
+def test_shipped_example_data_loads(model_dir, name, fmt):
+    from conftest import ROOT
+
+    data, _ = load(model_dir, os.path.join(ROOT, "examples", "data", name), "data.seq_len=128")
+    assert f"{fmt} records" in data.description and "skipped" not in data.description and len(data) >= 20

@@ -189,3 +189,21 @@ def test_preset_int8_lora_and_token_id_sample(tmp_path):
     check_base_frozen(cap)
     assert len(s["sample"]["prompt"].split()) == 8 and len(s["sample"]["completion"].split()) == 2
     assert "prompt ids:" in open(os.path.join(s["run_dir"], "sample.txt")).read()
+
+
+def test_bitsandbytes_options_refuse_deepspeed_and_auto_picks_amp():
+    from launcher.config import load_config
+    from launcher.hardware import probe
+    from launcher.resolve import resolve
+
+    with pytest.raises(ConfigError, match="train on the AMP path only"):
+        load_config(None, ["engine=deepspeed", "model.quantize=4bit", "lora.r=8"])
+    with pytest.raises(ConfigError, match="8-bit AdamW runs on the AMP path only"):
+        load_config(None, ["engine=fsdp", "train.optimizer=adamw8bit"])
+    hw = probe()
+    if hw.deepspeed is not None:
+        with pytest.raises(ConfigError, match="runs on the AMP path only; fix: profile=amp-fp32"):
+            resolve(load_config(None, ["profile=zero2-fp32", "model.quantize=4bit", "lora.r=8", "device=cpu"]), hw)
+    res = resolve(load_config(None, ["train.optimizer=adamw8bit", "device=cpu"]), hw)
+    assert res.engine == "amp"
+    assert hw.deepspeed is None or any("not DeepSpeed: train.optimizer=adamw8bit" in r for r in res.reasons)
