@@ -47,6 +47,7 @@ class Hardware:
     transformers: str | None = None
     peft: str | None = None
     bitsandbytes: str | None = None
+    stale_op_locks: list[str] = field(default_factory=list)
 
     @property
     def has_cuda(self) -> bool:
@@ -140,6 +141,7 @@ def probe(with_cpu_adam: bool = False) -> Hardware:
             hw.gpus.append(GPUInfo(i, props.name, int(total), int(free), cap, fp16=cap[0] >= 6, bf16=supports_bf16(cap)))
     hw.deepspeed, hw.deepspeed_error = deepspeed_status()
     hw.cpu_adam = cpu_adam_status() if with_cpu_adam else "not checked"
+    hw.stale_op_locks = stale_op_locks() if with_cpu_adam else []
     hw.transformers, hw.peft, hw.bitsandbytes = _version("transformers"), _version("peft"), _version("bitsandbytes")
     return hw
 
@@ -176,6 +178,9 @@ def format_report(hw: Hardware) -> str:
     lines.append(f"python {hw.python}, torch {hw.torch}, CUDA {hw.cuda or 'none'}, "
                  f"transformers {hw.transformers}, peft {hw.peft}, bitsandbytes {hw.bitsandbytes or 'not installed'}")
     lines.append(f"deepspeed: {hw.deepspeed or hw.deepspeed_error}; CPU Adam op: {hw.cpu_adam}")
+    for path in hw.stale_op_locks:
+        lines.append(f"stale op build lock (a killed run left it; runs would wait on it): {path} -- "
+                     "training removes it, or delete it yourself")
     return "\n".join(lines)
 
 
@@ -204,3 +209,40 @@ def build_ops() -> str:
         except Exception as e:  # report, do not hide: the run would fail the same way later
             lines.append(f"{name}: FAILED: {type(e).__name__}: {e}")
     return "DeepSpeed ops:\n  " + "\n  ".join(lines)
+
+
+def op_cache_dir() -> str:
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/torch_extensions")
+
+
+def stale_op_locks(max_age_s: float = 900.0) -> list[str]:
+    """Build locks of JIT-compiled ops older than ``max_age_s``.
+
+    torch takes ``<op>/lock`` around every JIT load (a real build takes minutes, an up-to-date check a
+    second). A process killed inside that window leaves the file behind, and every later run waits on it
+    forever without a word. A lock older than any build is one nobody will release."""
+    import time
+
+    root, now, found = op_cache_dir(), time.time(), []
+    if not os.path.isdir(root):
+        return found
+    for d, _dirs, files in os.walk(root):
+        if "lock" in files:
+            path = os.path.join(d, "lock")
+            try:
+                if now - os.path.getmtime(path) > max_age_s:
+                    found.append(path)
+            except OSError:
+                pass
+    return found
+
+
+def clear_stale_op_locks(max_age_s: float = 900.0) -> list[str]:
+    removed = []
+    for path in stale_op_locks(max_age_s):
+        try:
+            os.remove(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed

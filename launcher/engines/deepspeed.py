@@ -38,6 +38,11 @@ class DeepSpeedEngine:
         import deepspeed
 
         ensure_dist_env()
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            from launcher.hardware import clear_stale_op_locks
+
+            for path in clear_stale_op_locks():
+                print(f"[vramfit] removed a stale DeepSpeed op build lock left by a killed run: {path}", flush=True)
         if not torch.distributed.is_initialized():
             deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
         self.ds_config = ds_config
