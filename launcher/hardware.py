@@ -100,8 +100,7 @@ def cpu_adam_status() -> str:
         b = CPUAdamBuilder()
         if getattr(b, "is_compatible", lambda verbose=False: True)(False) is False:
             return "unavailable: not compatible with this system"
-        cache = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/torch_extensions")
-        for root, _dirs, files in os.walk(cache):
+        for root, _dirs, files in os.walk(op_cache_dir()):
             if any(f.startswith("cpu_adam") and f.endswith(".so") for f in files):
                 return "built"
         if shutil.which("ninja") is None and importlib.util.find_spec("ninja") is None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up from nothing: a virtual environment in .venv, torch, vramfit with its extras, and DeepSpeed's
-# JIT-compiled ops built once (a few minutes the first time, cached in ~/.cache/torch_extensions).
+# JIT-compiled ops built once (a few minutes the first time, cached in .venv/var/torch_extensions).
 #   EXTRAS   which extras to install (default: deepspeed,quant,test)
 #   PYTHON   the interpreter that makes the venv (default: python3, 3.10 or newer)
 set -euo pipefail
