@@ -173,7 +173,11 @@ def _plan_one(cfg: Config, hw: Hardware, p: Profile):
     """The planner's view of one profile asked for by name (for the prediction and the host-RAM check)."""
     from launcher import planner
 
-    return planner.plan(cfg, hw, profiles=[p.name], available_engines={p.engine}, suggest=True)
+    plan = planner.plan(cfg, hw, profiles=[p.name], available_engines={p.engine}, suggest=False)
+    row = plan.get(p.name)
+    if row is not None and row.cpu_bytes > plan.budget["cpu_bytes"]:  # the refusal lists them; they cost seconds
+        plan = planner.plan(cfg, hw, profiles=[p.name], available_engines={p.engine}, suggest=True)
+    return plan
 
 
 def _choose(cfg: Config, hw: Hardware, order: list[Profile], device: torch.device):
