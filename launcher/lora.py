@@ -10,6 +10,7 @@ and optimizer state (``models.param_groups`` takes ``requires_grad`` parameters 
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -162,7 +163,9 @@ def apply_lora(cfg: Config, model: torch.nn.Module, base_name: str | None = None
     lc = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout, target_modules=targets,
                     bias="none", task_type="CAUSAL_LM")
     # autocast_adapter_dtype: adapters of a 16-bit base are made fp32, as the optimizer and GradScaler need.
-    peft_model = get_peft_model(model, lc, autocast_adapter_dtype=True)
+    with warnings.catch_warnings():  # peft asks a deprecated transformers property; nothing for the user to do
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        peft_model = get_peft_model(model, lc, autocast_adapter_dtype=True)
     peft_model.peft_config["default"].base_model_name_or_path = base_name or cfg.model.name
     n = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     _log(f"LoRA r={cfg.lora.r} alpha={cfg.lora.alpha:g} dropout={cfg.lora.dropout:g} on {', '.join(targets)}: "

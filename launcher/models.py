@@ -147,9 +147,20 @@ def enable_checkpointing(model) -> None:
     model.config.use_cache = False
 
 
+def _numel(p) -> int:
+    """Elements of the full parameter: ZeRO-3 keeps only a partition (``ds_numel`` is the whole), and a
+    bitsandbytes 4-bit weight packs two values per byte (``quant_state.shape`` is the real shape)."""
+    if hasattr(p, "ds_numel"):
+        return int(p.ds_numel)
+    qs = getattr(p, "quant_state", None)
+    if qs is not None and getattr(qs, "shape", None) is not None:
+        return int(torch.Size(qs.shape).numel())
+    return p.numel()
+
+
 def count_params(model) -> tuple[int, int]:
-    total = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(_numel(p) for p in model.parameters())
+    trainable = sum(_numel(p) for p in model.parameters() if p.requires_grad)
     return total, trainable
 
 
