@@ -97,6 +97,17 @@ def _json_problem(path: str, src: str) -> str | None:
             return (f"data.source: {src!r} element {bad} of the array is a {type(recs[bad]).__name__}; rule: every "
                     "record is a JSON object; fix: wrap it as {\"text\": ...} or remove it")
         return None
+    if path.endswith(".json") and text.lstrip().startswith("{") and "\n" in text.strip():
+        try:
+            whole = json.loads(text)
+        except json.JSONDecodeError:
+            whole = None  # JSON lines: checked line by line below
+        if isinstance(whole, dict):
+            lists = [k for k, v in whole.items() if isinstance(v, list)]
+            where = f"the list under {lists[0]!r} " if lists else "the records "
+            return (f"data.source: {src!r} holds one JSON object spread over several lines (keys: "
+                    f"{', '.join(list(whole)[:8])}); rule: a JSON array of records, or one record per line; fix: "
+                    f"save {where}as a top-level array [...] or as JSON lines")
     bad = _first_bad_json_line(path)
     if bad:
         return (f"data.source: {src!r} {bad}; rule: JSON lines hold one JSON object per line; fix: correct that line "
@@ -122,6 +133,9 @@ def read_records(cfg: Config):
         ds = datasets.load_dataset(builder, data_files=path, split="train", **kwargs)
     except Exception as e:  # noqa: BLE001 (pyarrow/pandas raise many types; the cause is named in the message)
         cause = e.__cause__ or e.__context__ or e
+        if "corresponds to no data" in str(e) or "corresponds to no data" in str(cause):
+            raise ConfigError([f"data.source: {src!r} holds no records; rule: at least one; fix: check the file"],
+                              "data") from None
         raise ConfigError([f"data.source: {src!r} could not be read as {builder} ({type(cause).__name__}: "
                            f"{str(cause).splitlines()[0][:300] if str(cause) else ''}); rule: a well-formed "
                            f"{os.path.splitext(path)[1]} file; fix: correct the file"], "data") from None

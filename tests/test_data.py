@@ -230,3 +230,12 @@ def test_shipped_example_data_loads(model_dir, name, fmt):
 
     data, _ = load(model_dir, os.path.join(ROOT, "examples", "data", name), "data.seq_len=128")
     assert f"{fmt} records" in data.description and "skipped" not in data.description and len(data) >= 20
+
+
+def test_json_object_wrapper_and_empty_file(model_dir, tmp_path):
+    src = tmp_path / "d.json"
+    src.write_text(json.dumps({"version": 1, "data": qa_records(repeat=1)}, indent=2))
+    p = problem(model_dir, str(src))
+    assert "holds one JSON object" in p and "the list under 'data'" in p
+    (tmp_path / "e.jsonl").write_text("\n")
+    assert "holds no records" in problem(model_dir, str(tmp_path / "e.jsonl"))
