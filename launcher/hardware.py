@@ -194,8 +194,19 @@ def build_ops() -> str:
     from deepspeed.accelerator import get_accelerator
 
     acc = get_accelerator()
-    names = ["CPUAdamBuilder"] + (["FusedAdamBuilder", "ShareMemCommBuilder"] if acc.device_name() == "cpu" else [])
     lines = []
+    if acc.device_name() == "cpu":
+        # The shared-memory comm op first, through DeepSpeed's own call: built any other way (after other
+        # ops, in the same process) its compile command differs and every run rebuilds it (minutes).
+        from deepspeed.comm.torch import build_shm_op
+
+        t = time.perf_counter()
+        try:
+            build_shm_op()
+            lines.append(f"ShareMemCommBuilder: ready ({time.perf_counter() - t:.0f} s)")
+        except Exception as e:  # report, do not hide: the run would fail the same way later
+            lines.append(f"ShareMemCommBuilder: FAILED: {type(e).__name__}: {e}")
+    names = ["CPUAdamBuilder"] + (["FusedAdamBuilder"] if acc.device_name() == "cpu" else [])
     for name in names:
         t = time.perf_counter()
         try:
