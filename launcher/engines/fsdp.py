@@ -30,6 +30,7 @@ and writes them with ``save_pretrained``.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -130,13 +131,12 @@ class FsdpEngine:
     def _clip(self) -> float:
         """Global gradient norm over every rank's shards, then clip to ``grad_clip`` (as torch's clip_grad_norm_)."""
         grads = [_local(p.grad) for p in self.params if p.grad is not None]
-        if not grads:
-            return 0.0
-        sq = torch.stack([n.float() for n in torch._foreach_norm(grads, 2.0)]).pow(2).sum()
-        if self.world > 1:
-            dist.all_reduce(sq, group=self.group)  # CPU tensor: the group's gloo backend
+        sq = (torch.stack([n.float() for n in torch._foreach_norm(grads, 2.0)]).pow(2).sum() if grads
+              else torch.zeros((), device=self.params[0].device if self.params else "cpu"))
+        if self.world > 1:  # every rank joins, even one without gradients
+            dist.all_reduce(sq, group=self.group)  # offloaded: a CPU tensor, the group's gloo backend
         norm = sq.sqrt()
-        if self.grad_clip > 0:
+        if self.grad_clip > 0 and grads:
             coef = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
             torch._foreach_mul_(grads, coef)
         return float(norm)
@@ -147,7 +147,7 @@ class FsdpEngine:
         self.scaler.unscale_(self.optimizer)  # inf/nan check per shard; found_inf is all-reduced by DTensor
         norm = self._clip()
         scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
-        if not torch.isfinite(torch.tensor(norm)):
+        if not math.isfinite(norm):
             self.nonfinite = [n for n, p in self.model.named_parameters()
                               if p.grad is not None and not torch.isfinite(_local(p.grad)).all()]
         self.scaler.step(self.optimizer)  # skipped on every rank when any rank saw inf/nan
@@ -155,8 +155,8 @@ class FsdpEngine:
         if self.scaler.is_enabled() and self.scaler.get_scale() < self.min_scale:
             self.scaler.update(self.min_scale)  # same floor as DeepSpeed's min_loss_scale
         self.optimizer.zero_grad(set_to_none=True)
-        skipped = scale is not None and not torch.isfinite(torch.tensor(norm))
-        return StepResult(skipped=bool(skipped), loss_scale=self.scaler.get_scale() if scale is not None else None,
+        skipped = scale is not None and not math.isfinite(norm)
+        return StepResult(skipped=skipped, loss_scale=self.scaler.get_scale() if scale is not None else None,
                           grad_norm=norm)
 
     @torch.no_grad()
