@@ -214,7 +214,8 @@ def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -
     hooks = hooks or Hooks()
     dist = dist_env()
     if dist.world > 1 and not torch.distributed.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo"
+        # nccl for the model's tensors on CUDA, gloo for the loop's small CPU reductions (loss, stop flag)
+        backend = "cuda:nccl,cpu:gloo" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo"
         torch.distributed.init_process_group(backend)
     hw = hw or probe()
     # ---- resolve everything before loading anything
@@ -496,11 +497,13 @@ def _pick(plan, key):
 
 @torch.no_grad()
 def evaluate(engine, data, micro_batch: int, dist: Dist, max_batches: int = 16) -> float:
-    losses = []
+    """Mean eval loss. Every rank runs the same number of batches (ZeRO-3 and FSDP forwards are collective)."""
     n = len(data)
-    rows = list(range(dist.rank * micro_batch, n, micro_batch * dist.world))[:max_batches]
-    for start in rows:
-        losses.append(engine.eval_loss(data.batch(list(range(start, min(start + micro_batch, n))))))
+    batches = max(1, min(max_batches, n // (micro_batch * dist.world)))
+    losses = []
+    for i in range(batches):
+        start = ((i * dist.world + dist.rank) * micro_batch) % n
+        losses.append(engine.eval_loss(data.batch([(start + j) % n for j in range(micro_batch)])))
     return dist.mean(sum(losses) / max(1, len(losses)))
 
 
