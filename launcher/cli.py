@@ -103,7 +103,7 @@ def cmd_bench(args) -> int:
 
     path, overrides = _split_config(args.config)
     return bench.main(path, overrides, profiles=args.profiles, out=args.out, steps=args.steps, warmup=args.warmup,
-                      find=args.find)
+                      find=args.find, timeout=args.timeout, candidates=args.candidates)
 
 
 def cmd_export(args) -> int:
@@ -153,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps (default: %(default)s)")
     b.add_argument("--find", choices=("micro-batch", "model"), default=None,
                    help="per profile, find the largest micro-batch or size preset that fits the GPU budget")
+    b.add_argument("--candidates", default=None,
+                   help="with --find: comma-separated micro-batches or model presets to try (default: powers of two "
+                        "dividing the global batch, or every size preset)")
+    b.add_argument("--timeout", type=float, default=1800, help="seconds per training run (default: %(default)s)")
     b.set_defaults(fn=cmd_bench)
 
     e = sub.add_parser("export", help="write a standalone model from a run (merging a LoRA adapter)")

@@ -91,6 +91,8 @@ class TrainConfig:
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this (0 = off).", min=0.0)
     eval_every: int = _f(0, "Eval loss every N steps (0 = only at the end when an eval split exists).", min=0)
     optimizer: str = _f("adamw", "adamw, or adamw8bit (bitsandbytes, AMP path only).", choices=("adamw", "adamw8bit"))
+    oom_fallback: bool = _f(True, "On out-of-memory step down the ladder (smaller micro-batch, checkpointing, more "
+                            "offload); false = fail at once (benchmarks, so a result is the asked settings).")
 
 
 @dataclass
@@ -114,12 +116,19 @@ class CheckpointConfig:
     every_steps: int = _f(0, "Save a checkpoint every N steps (0 = only at the end).", min=0)
     keep_last: int = _f(2, "Complete checkpoints kept; older ones are deleted.", min=1)
     resume: str = _f("auto", "auto (newest complete checkpoint of this run), never, or a checkpoint path.")
+    save: bool = _f(True, "Write checkpoints and the final weights; false only for measurements (nothing to "
+                    "resume or export; vramfit bench).")
 
 
 @dataclass
 class LogConfig:
     every_steps: int = _f(10, "Print a log line every N steps.", min=1)
     progress: str = _f("auto", "Progress bar: auto (when stdout is a terminal), on, off.", choices=("auto", "on", "off"))
+    memory_interval_s: float = _f(0.5, "Seconds between memory samples in memory.csv (0 = memory monitor off: no "
+                                  "memory.csv/png, per-phase peaks or leak check).", min=0.0)
+    leak_steps: int = _f(20, "Warn when memory after each step only grows over this many steps, after as many "
+                         "warm-up steps (0 = no leak check).", min=0)
+    leak_mib: float = _f(64.0, "Growth over log.leak_steps steps, in MiB, that counts as a leak.", min=0.0)
 
 
 @dataclass

@@ -26,7 +26,9 @@ from launcher.hardware import Hardware, pin_memory_ok, probe
 from launcher.ladder import Rung, next_move
 from launcher.models import (build_model, count_params, enable_checkpointing, load_tokenizer, model_config, param_groups,
                              weight_dtype)
+from launcher.monitor import MemoryMonitor
 from launcher.profiles import PROFILES
+from launcher.progress import Progress
 from launcher.resolve import Resolved, candidate_order, resolve
 from launcher.rundir import RunDir, default_run_name, read_json
 
@@ -254,6 +256,7 @@ def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -
         torch.cuda.set_device(device)
         torch.cuda.reset_peak_memory_stats(device)
         enforce_gpu_budget(cfg, device)
+    mon = MemoryMonitor.for_run(cfg, rd, device, log).start()  # memory.csv from here; stopped in the loop's finally
     # ---- model, engine
 
     def make_engine(rung: Rung):
@@ -312,6 +315,7 @@ def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -
     peak_rss = psutil.Process().memory_info().rss
     loss, at_min_scale = float("nan"), 0
     usable, _ = candidate_order(cfg, hw, res.precision, device, allow_offload=True)
+    progress = Progress(cfg, st.step, log, _format_row)
     try:
         while st.step < cfg.train.max_steps:
             t0 = time.perf_counter()
@@ -319,6 +323,7 @@ def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -
             try:
                 if hooks.before_step:
                     hooks.before_step(st.step, engine)
+                mon.mark("forward", engine)  # model hooks split forward from backward
                 losses = [engine.forward_backward(train_data.batch(rows), rung.accumulation)
                           for rows in micro_batches(st.step, cfg.train.global_batch_size, rung.micro_batch,
                                                     dist.rank, dist.world, len(train_data), cfg.seed)]
@@ -330,9 +335,10 @@ def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -
                                                            f"loss became {loss} at step {st.step + 1}")
                     engine.reset_micro_batch(rung.micro_batch, rung.accumulation)  # never apply that update
                     break
+                mon.mark("step")
                 result: StepResult = engine.step(lr)
             except torch.OutOfMemoryError as oom:  # anything else propagates untouched
-                move = next_move(rung, usable)
+                move = next_move(rung, usable) if cfg.train.oom_fallback else None
                 if move is None:
                     raise
                 del oom
@@ -365,10 +371,9 @@ def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -
             row = {"step": st.step, "loss": loss, "lr": lr, "loss_scale": result.loss_scale,
                    "skipped": result.skipped, "grad_norm": result.grad_norm, "tokens": st.tokens_seen,
                    "tokens_per_s": tokens_per_step / dt, **mem, "time_s": time.perf_counter() - t_start,
-                   "micro_batch": rung.micro_batch}
+                   "micro_batch": rung.micro_batch, **mon.end_step(st.step, mem)}
             rd.append_metrics(row)
-            if st.step % cfg.log.every_steps == 0 or st.step == 1 or st.step == cfg.train.max_steps or result.skipped:
-                log(_format_row(row, cfg.train.max_steps))
+            progress.update(row)  # a bar on a terminal, else a log line every log.every_steps
             # fp16 that keeps overflowing at the minimum scale will never train: stop with a diagnosis
             at_min = result.skipped and result.loss_scale is not None and result.loss_scale <= cfg.loss_scale.min_scale
             at_min_scale = at_min_scale + 1 if at_min else 0
@@ -384,20 +389,24 @@ def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -
             if dist.any(bool(stop)):  # ranks agree, so all of them save the same step
                 status = "interrupted"
                 break
-            if cfg.checkpoint.every_steps and st.step % cfg.checkpoint.every_steps == 0 and st.step < cfg.train.max_steps:
+            if (cfg.checkpoint.save and cfg.checkpoint.every_steps and st.step % cfg.checkpoint.every_steps == 0
+                    and st.step < cfg.train.max_steps):
                 save_checkpoint()
-        last_ckpt = save_checkpoint()
+        last_ckpt = save_checkpoint() if cfg.checkpoint.save else None
     finally:
         stop.restore()
         rd.close()
+        progress.close()
+        mon.stop()
     elapsed = time.perf_counter() - t_start
     # ---- outputs
     eval_loss = evaluate(engine, eval_data, rung.micro_batch, dist) if eval_data is not None else None
     sample = None
     if status == "completed":
-        engine.save_final(rd.file("final"))
-        if tokenizer is not None and dist.is_main:
-            tokenizer.save_pretrained(rd.file("final"))
+        if cfg.checkpoint.save:
+            engine.save_final(rd.file("final"))
+            if tokenizer is not None and dist.is_main:
+                tokenizer.save_pretrained(rd.file("final"))
         sample = generate.run_sample(engine, sample_prompt, cfg, tokenizer, res.precision, rd.path, dist.is_main, log)
     if diagnosis:
         log(f"stopped: {diagnosis}")
@@ -407,8 +416,7 @@ def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -
         "device": str(device), "steps": st.step, "first_loss": st.first_loss, "final_loss": loss,
         "eval_loss": eval_loss,
         "tokens_per_s": (sum(measured) / len(measured)) if measured else tokens_per_step * st.step / max(elapsed, 1e-9),
-        "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-        "peak_gpu_reserved_bytes": torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None,
+        "peak_gpu_bytes": mon.peak_gpu_bytes(), "peak_gpu_reserved_bytes": mon.peak_gpu_reserved_bytes(),
         "peak_cpu_rss_bytes": peak_rss,
         "peak_gpu_init_bytes": init_peak_gpu,
         "predicted_gpu_bytes": _pick(res.plan, "gpu_bytes"), "predicted_cpu_bytes": _pick(res.plan, "cpu_bytes"),
@@ -418,9 +426,10 @@ def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -
         "gradient_checkpointing": rung.checkpointing, "world_size": dist.world,
         "global_batch_size": cfg.train.global_batch_size, "seq_len": seq_len, "elapsed_s": elapsed,
         "checkpoint": last_ckpt, "reasons": res.reasons, "diagnosis": diagnosis, "run_dir": rd.path,
-        "sample": sample,
+        "sample": sample, **mon.summary(),
     }
     rd.write_json("summary.json", summary)
+    mon.plot(rd.file("memory.png"), summary["predicted_gpu_bytes"], summary["predicted_cpu_bytes"], rd.path)
     _print_summary(summary)
     return summary
 

@@ -26,6 +26,14 @@ needs_deepspeed = pytest.mark.skipif(not has_deepspeed(), reason="DeepSpeed is n
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """`pytest -m gpu` selects the tests marked with `gpu` above (scripts/gpu_bench.sh runs them)."""
+    for item in items:
+        if any(m.name == "skipif" and m.kwargs.get("reason") == "needs a CUDA GPU" for m in item.iter_markers()):
+            item.add_marker(pytest.mark.gpu)
+
+
 def run_inprocess(tmp_path, *overrides, hooks=None, fast=True):
     """Train in this process; returns (summary, metrics rows)."""
     from launcher.config import load_config

@@ -1,0 +1,491 @@
+"""See the memory while training: a sampler thread, per-phase peaks per step, a leak check, a picture.
+
+- **Timeline** (``memory.csv``, rank 0): a daemon thread samples every ``log.memory_interval_s``: this
+  process's GPU memory (``torch.cuda.memory_allocated``/``memory_reserved``), the whole device's used
+  memory (NVML through ``torch.cuda.device_memory_used``; ``cudaMemGetInfo`` when pynvml is absent), so
+  other tenants show; this process's RSS, the RSS of the process tree (DeepSpeed and torch start
+  worker processes) and the system's available RAM.
+- **Per-step peaks** (``metrics.jsonl``): the loop marks the optimizer step; hooks on the model mark
+  where a training forward starts and ends, so a step splits into ``forward`` (until the loss),
+  ``backward`` and ``step``. At each switch the peak of the phase that ended is read and the counter
+  reset: ``torch.cuda.max_memory_allocated`` / ``reset_peak_memory_stats`` on CUDA
+  (``peak_forward_bytes``, ``peak_backward_bytes``, ``peak_step_bytes``; null without a GPU), and on
+  Linux the process's RSS high-water mark, ``VmHWM`` in ``/proc/self/status``, reset by writing 5 to
+  ``/proc/self/clear_refs`` (``peak_forward_rss_bytes`` ...; exact peaks, not samples; null where the
+  kernel does not allow it). With accumulation a phase's peak is the largest over the micro-batches.
+  The run's overall peaks are kept across the resets (:meth:`MemoryMonitor.peak_gpu_bytes`).
+- **Leak check**: after a warm-up of ``log.leak_steps`` steps, memory after each step (GPU allocated,
+  and CPU RSS) that rises over the last ``log.leak_steps`` steps by at least ``log.leak_mib`` without
+  ever falling is reported once per series (log line + ``memory_warnings`` in summary.json).
+- **Picture** (``memory.png``): the timeline, the per-phase peaks and the planned peaks.
+
+Cost: a sample reads /proc a few times (well under a millisecond, every 0.5 s by default); a phase
+switch is a few microseconds on CUDA and about 20 us on the CPU. ``scripts/bench_monitor.py``
+measures the effect on tokens/s.
+"""
+
+from __future__ import annotations
+
+import collections
+import csv
+import os
+import threading
+import time
+import weakref
+
+import psutil
+import torch
+
+MiB = 1024**2
+GiB = 1024**3
+PHASES = ("forward", "backward", "step")
+CSV_COLUMNS = ("time_s", "step", "phase", "gpu_allocated_bytes", "gpu_reserved_bytes", "gpu_device_used_bytes",
+               "gpu_device_total_bytes", "cpu_rss_bytes", "cpu_tree_rss_bytes", "ram_available_bytes")
+CHILDREN_REFRESH_S = 10.0  # listing the process tree walks /proc (milliseconds); the list is reused between
+
+
+# ------------------------------------------------------------------------------------------------
+# Pure parts
+
+
+def detect_leak(values: list[float], window: int, min_growth: float, tolerance: float = MiB) -> float | None:
+    """Growth over the last ``window`` values when memory only grew, by at least ``min_growth``.
+
+    "Only grew": no step fell by more than ``tolerance`` (allocator noise), and at least half of the
+    steps rose. Returns the growth in the values' unit, or None when there is no leak to report.
+    """
+    if window < 2 or len(values) < window:
+        return None
+    w = list(values)[-window:]
+    diffs = [b - a for a, b in zip(w, w[1:])]
+    if any(d < -tolerance for d in diffs):
+        return None
+    if sum(d > 0 for d in diffs) < len(diffs) / 2:
+        return None
+    growth = w[-1] - w[0]
+    return growth if growth >= min_growth else None
+
+
+# ------------------------------------------------------------------------------------------------
+# Readers
+
+
+class _RssHighWater:
+    """This process's RSS high-water mark (Linux ``VmHWM``), resettable through ``/proc/self/clear_refs``."""
+
+    def __init__(self):
+        self.status = self.clear = None
+        self.initial = None  # the high-water mark before the first reset (model load, data, ...)
+        try:
+            self.status = os.open("/proc/self/status", os.O_RDONLY)
+            self.initial = self.read()
+        except (OSError, ValueError):
+            self.status = None
+            return
+        try:
+            self.clear = os.open("/proc/self/clear_refs", os.O_WRONLY)
+            os.write(self.clear, b"5")
+        except OSError:  # not allowed here: the overall peak still reads right, per-phase peaks are null
+            self.clear = None
+
+    @property
+    def resettable(self) -> bool:
+        return self.clear is not None
+
+    def read(self) -> int | None:
+        if self.status is None:
+            return None
+        b = os.pread(self.status, 4096, 0)
+        i = b.find(b"VmHWM:")
+        return int(b[i + 6:b.index(b"kB", i)]) * 1024 if i >= 0 else None
+
+    def reset(self) -> None:
+        if self.clear is not None:
+            os.write(self.clear, b"5")
+
+    def close(self) -> None:
+        for fd in (self.status, self.clear):
+            if fd is not None:
+                os.close(fd)
+        self.status = self.clear = None
+
+    __del__ = close
+
+
+def _device_used_reader(device: torch.device):
+    """(fn() -> (used, total) bytes of the whole device, source name), or (None, reason)."""
+    if device.type != "cuda":
+        return None, "no GPU"
+    total = torch.cuda.get_device_properties(device).total_memory
+    try:
+        torch.cuda.device_memory_used(device)  # NVML (pynvml), maps CUDA_VISIBLE_DEVICES to NVML indices
+        return (lambda: (torch.cuda.device_memory_used(device), total)), "nvml"
+    except Exception:  # pynvml missing, or no NVML (some containers): the CUDA runtime's view
+        pass
+
+    def mem_get_info():
+        free, tot = torch.cuda.mem_get_info(device)
+        return tot - free, tot
+
+    return mem_get_info, "cudaMemGetInfo"
+
+
+# ------------------------------------------------------------------------------------------------
+# The monitor
+
+
+class MemoryMonitor:
+    """Start after the run directory exists, mark phases from the loop, stop in ``finally``, then plot."""
+
+    def __init__(self, csv_path: str | None, device: torch.device, interval_s: float = 0.5, leak_steps: int = 20,
+                 leak_bytes: float = 64 * MiB, log=print, enabled: bool = True):
+        self.enabled = enabled  # off: no timeline, no per-phase peaks, no leak check; overall peaks still right
+        self.csv_path = csv_path if enabled else None  # None: no timeline (ranks other than 0)
+        self.device = device
+        self.interval_s = float(interval_s)
+        self.leak_steps = int(leak_steps)
+        self.leak_bytes = float(leak_bytes)
+        self.log = log
+        self.cuda = device.type == "cuda"
+        self.phase = "setup"
+        self.step = 0
+        self.warnings: list[dict] = []
+        self.step_peaks: list[tuple] = []  # (time_s, step, {key: bytes}) for the picture, thinned when long
+        self._stride = 1
+        self._peaks: dict[str, int] = {}
+        self._overall = {"gpu": 0, "gpu_reserved": 0, "rss": 0}
+        self._max_sample = {"cpu_tree_rss_bytes": 0, "gpu_device_used_bytes": 0}
+        self._series = {"gpu_allocated_bytes": collections.deque(maxlen=max(2, self.leak_steps)),
+                        "cpu_rss_bytes": collections.deque(maxlen=max(2, self.leak_steps))}
+        self._warned: set[str] = set()
+        self._watched = None
+        self._handles: list = []
+        self._thread = None
+        self._stop = threading.Event()
+        self._fh = self._writer = None
+        self._t0 = time.perf_counter()
+        self.loop_start_s = None
+        self.samples = 0
+        self._proc = psutil.Process()
+        self._children: list = []
+        self._children_at = -1e9
+        self._hwm = _RssHighWater()
+        self._overall["rss"] = self._hwm.initial or 0
+        self._device_used, self.device_source = None, "no GPU"
+
+    @classmethod
+    def for_run(cls, cfg, rd, device: torch.device, log) -> MemoryMonitor:
+        interval = cfg.log.memory_interval_s
+        return cls(rd.file("memory.csv") if rd.is_main else None, device, interval_s=interval,
+                   leak_steps=cfg.log.leak_steps, leak_bytes=cfg.log.leak_mib * MiB, log=log, enabled=interval > 0)
+
+    # ---- lifecycle
+
+    def start(self) -> MemoryMonitor:
+        self._t0 = time.perf_counter()
+        if self.cuda:
+            self._device_used, self.device_source = _device_used_reader(self.device)
+        if self.csv_path:
+            self._fh = open(self.csv_path, "w", newline="", buffering=1)
+            self._writer = csv.writer(self._fh)
+            self._writer.writerow(CSV_COLUMNS)
+            self.sample()
+            # the thread holds only a weak reference: if the run fails before its `finally` stops the
+            # monitor, the thread ends once the monitor is gone instead of sampling forever
+            self._thread = threading.Thread(target=_sampler, args=(weakref.ref(self), self._stop, self.interval_s),
+                                            name="vramfit-memory-monitor", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop sampling (idempotent); the run's overall peaks stay readable."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval_s + 5)
+            self._thread = None
+        if self.enabled:
+            self._close_phase("done")
+        for h in self._handles:
+            h.remove()
+        self._handles, self._watched = [], None
+        if self._fh is not None:
+            self.sample()
+            self._fh.close()
+            self._fh = self._writer = None
+
+    # ---- sampling (the thread)
+
+    def _tree_rss(self, rss: int) -> int:
+        now = time.perf_counter()
+        if now - self._children_at > CHILDREN_REFRESH_S:
+            try:
+                self._children = self._proc.children(recursive=True)
+            except psutil.Error:
+                self._children = []
+            self._children_at = now
+        total = rss
+        for c in self._children:
+            try:
+                total += c.memory_info().rss
+            except psutil.Error:  # exited since the last listing
+                pass
+        return total
+
+    def sample(self) -> dict:
+        row = dict.fromkeys(CSV_COLUMNS)
+        row["time_s"] = round(time.perf_counter() - self._t0, 3)
+        row["step"], row["phase"] = self.step, self.phase
+        if self.cuda:
+            row["gpu_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
+            row["gpu_reserved_bytes"] = torch.cuda.memory_reserved(self.device)
+            if self._device_used is not None:
+                row["gpu_device_used_bytes"], row["gpu_device_total_bytes"] = self._device_used()
+        rss = self._proc.memory_info().rss
+        row["cpu_rss_bytes"] = rss
+        row["cpu_tree_rss_bytes"] = self._tree_rss(rss)
+        row["ram_available_bytes"] = psutil.virtual_memory().available
+        for k in self._max_sample:
+            if row[k] is not None:
+                self._max_sample[k] = max(self._max_sample[k], row[k])
+        if self._writer is not None:
+            self._writer.writerow(["" if row[k] is None else row[k] for k in CSV_COLUMNS])
+        self.samples += 1
+        return row
+
+    # ---- phases (the loop and the model hooks)
+
+    def _close_phase(self, new: str) -> None:
+        """Read the peak of the phase that ends, reset the counters, enter ``new``."""
+        old = self.phase
+        if self.cuda:
+            a = torch.cuda.max_memory_allocated(self.device)
+            self._overall["gpu"] = max(self._overall["gpu"], a)
+            self._overall["gpu_reserved"] = max(self._overall["gpu_reserved"], torch.cuda.max_memory_reserved(self.device))
+            if old in PHASES:
+                self._peaks[f"gpu:{old}"] = max(self._peaks.get(f"gpu:{old}", 0), a)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        h = self._hwm.read()
+        if h is not None:
+            self._overall["rss"] = max(self._overall["rss"], h)
+            if old in PHASES and self._hwm.resettable:
+                self._peaks[f"rss:{old}"] = max(self._peaks.get(f"rss:{old}", 0), h)
+            self._hwm.reset()
+        self.phase = new
+
+    def mark(self, name: str, engine=None) -> None:
+        """The loop enters ``name`` ('forward' before the micro-batches, 'step' before ``engine.step``).
+        With ``engine``, its model gets the hooks that split forward from backward (again after the OOM
+        ladder builds a new model)."""
+        if not self.enabled:
+            return
+        if engine is not None and self._watched is not engine.module():
+            self.watch(engine.module())
+        if self.loop_start_s is None:
+            self.loop_start_s = time.perf_counter() - self._t0
+        if self.phase != name:
+            self._close_phase(name)
+
+    def watch(self, module: torch.nn.Module) -> None:
+        for h in self._handles:
+            h.remove()
+
+        def pre(_m, _args):
+            if torch.is_grad_enabled() and self.phase != "forward":
+                self._close_phase("forward")
+
+        def post(_m, _args, _out):
+            if torch.is_grad_enabled() and self.phase == "forward":
+                self._close_phase("backward")
+
+        self._handles = [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+        self._watched = module
+
+    def end_step(self, step: int, mem: dict) -> dict:
+        """Close the step: its per-phase peaks (for the metrics row) and the leak check on ``mem``."""
+        if not self.enabled:
+            return {}
+        self._close_phase("other")
+        self.step = step
+        out = {}
+        for ph in PHASES:
+            out[f"peak_{ph}_bytes"] = self._peaks.get(f"gpu:{ph}") if self.cuda else None
+            out[f"peak_{ph}_rss_bytes"] = self._peaks.get(f"rss:{ph}")
+        self._peaks = {}
+        if step % self._stride == 0:
+            self.step_peaks.append((time.perf_counter() - self._t0, step, out))
+            if len(self.step_peaks) > 4000:  # a long run: keep every other point
+                self.step_peaks, self._stride = self.step_peaks[::2], self._stride * 2
+        if self.leak_steps >= 2:
+            self._check_leak(step, mem)
+        return out
+
+    def _check_leak(self, step: int, mem: dict) -> None:
+        for key, what in (("gpu_allocated_bytes", "GPU memory allocated"), ("cpu_rss_bytes", "CPU RSS")):
+            v = mem.get(key)
+            if v is None:
+                continue
+            series = self._series[key]
+            series.append(v)
+            if key in self._warned or step < 2 * self.leak_steps:  # the first leak_steps steps are warm-up
+                continue
+            growth = detect_leak(series, self.leak_steps, self.leak_bytes)
+            if growth is not None:
+                self._warned.add(key)
+                msg = (f"{what} grew by {growth / MiB:.0f} MiB over steps {step - self.leak_steps + 1}-{step} and "
+                       f"never fell: a leak? (tensors kept across steps, e.g. a loss kept without .item()); "
+                       f"now {v / GiB:.2f} GiB")
+                self.warnings.append({"kind": key, "step": step, "growth_bytes": int(growth),
+                                      "window_steps": self.leak_steps, "message": msg})
+                self.log(f"warning: {msg}")
+
+    # ---- results
+
+    def peak_gpu_bytes(self) -> int | None:
+        """``max_memory_allocated`` over the whole run, across the per-phase resets (None without a GPU)."""
+        if not self.cuda:
+            return None
+        return max(self._overall["gpu"], torch.cuda.max_memory_allocated(self.device))
+
+    def peak_gpu_reserved_bytes(self) -> int | None:
+        if not self.cuda:
+            return None
+        return max(self._overall["gpu_reserved"], torch.cuda.max_memory_reserved(self.device))
+
+    def peak_rss_bytes(self) -> int | None:
+        """This process's RSS high-water mark over the run (Linux), across the per-phase resets."""
+        h = self._hwm.read()
+        return max(self._overall["rss"], h) if h is not None else None
+
+    def summary(self) -> dict:
+        return {"memory_warnings": list(self.warnings), "peak_cpu_rss_hwm_bytes": self.peak_rss_bytes(),
+                "peak_cpu_tree_rss_bytes": self._max_sample["cpu_tree_rss_bytes"] or None,
+                "peak_gpu_device_used_bytes": self._max_sample["gpu_device_used_bytes"] or None,
+                "memory_samples": self.samples, "gpu_device_memory_source": self.device_source,
+                "memory_loop_start_s": None if self.loop_start_s is None else round(self.loop_start_s, 3)}
+
+    def plot(self, path: str, predicted_gpu_bytes=None, predicted_cpu_bytes=None, title: str = "") -> str | None:
+        """Draw ``memory.png`` from ``memory.csv`` and the per-step peaks. Returns the path (None: no timeline)."""
+        if not self.csv_path or not os.path.exists(self.csv_path):
+            return None
+        try:
+            return plot_memory(self.csv_path, path, self.step_peaks, predicted_gpu_bytes, predicted_cpu_bytes,
+                               self.loop_start_s, title)
+        except Exception as e:  # a picture must not fail a finished run
+            self.log(f"warning: memory.png not written: {type(e).__name__}: {e}")
+            return None
+
+
+def _sampler(ref, stop: threading.Event, interval_s: float) -> None:
+    while not stop.wait(interval_s):
+        mon = ref()
+        if mon is None:
+            return
+        try:
+            mon.sample()
+        except Exception as e:  # a monitor must never take the run down; say so once and stop sampling
+            mon.log(f"warning: memory monitor stopped sampling: {type(e).__name__}: {e}")
+            return
+        finally:
+            del mon
+
+
+def read_csv(path: str) -> dict[str, list]:
+    cols: dict[str, list] = {k: [] for k in CSV_COLUMNS}
+    with open(path, newline="") as fh:
+        for row in csv.DictReader(fh):
+            for k in CSV_COLUMNS:
+                v = row.get(k, "")
+                cols[k].append(v if k == "phase" else (float(v) if v not in ("", None) else None))
+    return cols
+
+
+def plot_memory(csv_path: str, out: str, step_peaks=(), predicted_gpu_bytes=None, predicted_cpu_bytes=None,
+                loop_start_s=None, title: str = "") -> str:
+    """The timeline (GPU on top when there is one, CPU below), per-phase peaks and planned peaks, in GiB."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    c = read_csv(csv_path)
+    t = c["time_s"]
+    has_gpu = any(v is not None for v in c["gpu_allocated_bytes"])
+    fig = Figure(figsize=(11, 7 if has_gpu else 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2 if has_gpu else 1, 1, sharex=True, squeeze=False)[:, 0]
+    g = lambda xs: [None if x is None else x / GiB for x in xs]  # noqa: E731
+    colors = {"forward": "tab:blue", "backward": "tab:orange", "step": "tab:green"}
+    pt = [p[0] for p in step_peaks]
+
+    def peaks(ax, fmt):
+        for ph in PHASES:
+            ys = [p[2].get(fmt.format(ph)) for p in step_peaks]
+            if any(y is not None for y in ys):
+                ax.plot(pt, g(ys), ".-", ms=3, lw=0.6, color=colors[ph], alpha=0.8, label=f"{ph} peak (per step)")
+
+    def finish(ax, predicted, what):
+        if predicted:
+            ax.axhline(predicted / GiB, color="tab:red", ls="--", lw=1, label=f"planned {what} peak")
+        if loop_start_s is not None:
+            ax.axvline(loop_start_s, color="gray", ls=":", lw=1, label="training loop starts")
+        ax.set_ylabel("GiB")
+        ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.05)
+        ax.grid(alpha=0.3)
+
+    if has_gpu:
+        ax = axes[0]
+        ax.plot(t, g(c["gpu_allocated_bytes"]), color="black", lw=1.2, label="allocated (this process)")
+        ax.plot(t, g(c["gpu_reserved_bytes"]), color="dimgray", lw=1, label="reserved (this process)")
+        if any(v is not None for v in c["gpu_device_used_bytes"]):
+            ax.plot(t, g(c["gpu_device_used_bytes"]), color="tab:purple", lw=1, label="device used (all processes)")
+        peaks(ax, "peak_{}_bytes")
+        finish(ax, predicted_gpu_bytes, "GPU")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)
+        ax.set_title("GPU memory")
+    ax = axes[-1]
+    ax.plot(t, g(c["cpu_rss_bytes"]), color="black", lw=1.2, label="RSS (this process)")
+    if c["cpu_tree_rss_bytes"] != c["cpu_rss_bytes"]:
+        ax.plot(t, g(c["cpu_tree_rss_bytes"]), color="dimgray", lw=1, label="RSS (process tree)")
+    peaks(ax, "peak_{}_rss_bytes")
+    finish(ax, predicted_cpu_bytes, "CPU")
+    ax.set_title("CPU memory")
+    ax.set_xlabel("seconds since the run started")
+    # other tenants show here: the host's available RAM, on its own scale
+    twin = ax.twinx()
+    avail = g(c["ram_available_bytes"])
+    twin.plot(t, avail, color="tab:cyan", lw=0.8, alpha=0.7, label="system RAM available (right axis)")
+    twin.set_ylabel("system RAM available, GiB", color="tab:cyan")
+    twin.set_ylim(0, max([a for a in avail if a is not None] or [1]) * 1.3)
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = twin.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, loc="upper left", bbox_to_anchor=(1.07, 1), fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    tmp = f"{out}.tmp-{os.getpid()}.png"
+    fig.savefig(tmp, dpi=100)
+    os.replace(tmp, out)
+    return out
+
+
+def main(argv=None) -> int:
+    """``python -m launcher.monitor RUN_DIR``: redraw a run's memory.png from its memory.csv and metrics."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("run_dir")
+    args = ap.parse_args(argv)
+    summary_path = os.path.join(args.run_dir, "summary.json")
+    s = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
+    metrics = os.path.join(args.run_dir, "metrics.jsonl")
+    rows = [json.loads(ln) for ln in open(metrics) if ln.strip()] if os.path.exists(metrics) else []
+    # metrics time is from the loop start, the timeline's from the monitor start: align on the loop start
+    offset = s.get("memory_loop_start_s") or 0.0
+    step_peaks = [(offset + r["time_s"], r["step"], r) for r in rows]
+    out = plot_memory(os.path.join(args.run_dir, "memory.csv"), os.path.join(args.run_dir, "memory.png"), step_peaks,
+                      s.get("predicted_gpu_bytes"), s.get("predicted_cpu_bytes"), s.get("memory_loop_start_s"),
+                      f"{s.get('profile', '')} {os.path.basename(os.path.normpath(args.run_dir))}")
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,194 @@
+#!/usr/bin/env bash
+# The benchmark set for a GPU host, in under 8 minutes: GPU tests, planner validation, `vramfit bench` on
+# the real card and with the budget capped at a T4 (16 GB) and an RTX 3090 (24 GB), and two targets:
+#  (a) optimizer offload vs no offload, each at its largest micro-batch and at the same micro-batch
+#      (llama-350m, seq 512, full fine-tune, 16 GB cap), as tokens/s ratios;
+#  (b) the largest model preset that trains (full fine-tune, seq 512) under a 16 GB cap, per profile,
+#      next to the planner's prediction.
+# Everything goes to one folder ($OUT, else bench-out/gpu-DATE); a short table is printed last.
+#
+#   bash scripts/gpu_bench.sh                 # on the GPU host
+#   bash scripts/gpu_bench.sh --cpu-smoke     # or DEVICE=cpu: the same stages, shrunk, on a CPU (proves the script)
+#   STAGES="find_mb find_model" bash scripts/gpu_bench.sh   # a subset (names below); TOTAL_S=470: the time box
+#
+# Every stage runs under `timeout`, and a deadline for the whole script (TOTAL_S, default 470 s) shortens
+# or skips the later stages, so a hung stage cannot eat the budget; `vramfit bench` rewrites its results
+# after every run, so a stage cut short keeps what it measured. Budgets are the cards' usable memory as
+# torch reports it (T4 14.75 GiB, RTX 3090 23.69 GiB), through memory.gpu_budget (the run's allocator is
+# capped at that). Stages are ordered by priority: what does not fit in the time box is reported skipped.
+cd "$(dirname "$0")/.." || exit
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then  # the offline host's wheelhouse (../shared/offline-gpu/wheelhouse.sh)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target .site .whl/*.whl && export PYTHONPATH=$PWD/.site:$PWD || exit
+fi
+set -uo pipefail  # not -e: a stage that fails is recorded and the next one runs
+
+SMOKE=0
+[ "${DEVICE:-}" = "cpu" ] && SMOKE=1
+for a in "$@"; do
+  case "$a" in
+    --cpu-smoke) SMOKE=1 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    *) echo "gpu_bench: unknown argument $a (try --help)"; exit 2 ;;
+  esac
+done
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
+elif [ -d .whl ]; then PY=python3
+elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
+else PY=python3; fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+STAMP=$(date +%Y%m%d-%H%M%S)
+if [ "$SMOKE" = 1 ]; then OUT=${OUT:-bench-out/cpu-smoke-$STAMP}; else OUT=${OUT:-bench-out/gpu-$STAMP}; fi
+mkdir -p "$OUT"
+# the time box; a CPU smoke run on a small shared box is slower, so its stage caps stretch (CAPX)
+if [ "$SMOKE" = 1 ]; then TOTAL_S=${TOTAL_S:-1500}; CAPX=${CAPX:-3}; else TOTAL_S=${TOTAL_S:-470}; CAPX=${CAPX:-1}; fi
+STAGES=${STAGES:-"doctor ops tests card find_mb equal_mb find_model card_24gb validate monitor"}
+DEADLINE=$((SECONDS + TOTAL_S))
+RESERVE=15  # seconds kept for the final table
+printf 'stage\tstatus\tseconds\tcap\n' > "$OUT/stages.tsv"
+
+if [ "$SMOKE" = 1 ]; then
+  # the same stages on a CPU: tiny model, short sequences, fp32 profiles; memory.cpu_budget stands in for the
+  # GPU caps (bench compares the measured RSS with it)
+  PREC=fp32
+  NOOFF=amp-fp32; OFF=zero2-fp32; FULL=zero2-fp32
+  CARD_PROFILES=--profiles=amp-fp32,zero2-fp32
+  MODEL_A=tiny; MODEL_24=tiny; SEQ=32; GB_A=4; MB_EQ=2
+  CAP16=memory.cpu_budget=1.5; CAP24=memory.cpu_budget=3
+  MODELS_B=tiny,llama-125m; PROFILES_B=amp-fp32,zero2-fp32
+  STEPS="--steps 2 --warmup 1"; SMALL="data.num_samples=64 train.warmup_steps=1"
+  TESTS_ARGS="-m gpu"; VALIDATE_ARGS="--cpu --quick"; RUN_TIMEOUT=240
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # a shared 2-core box: no thread oversubscription
+else
+  PREC=$($PY -c 'import torch; print("bf16" if torch.cuda.get_device_capability()[0] >= 8 else "fp16")' 2>/dev/null) \
+    || { echo "gpu_bench: no CUDA GPU here (torch.cuda); use --cpu-smoke"; exit 2; }
+  NOOFF=zero2-$PREC; OFF=zero2-$PREC-offload-opt; FULL=zero3-$PREC-offload-all
+  CARD_PROFILES=""  # every profile that applies
+  MODEL_A=llama-350m; MODEL_24=llama-1b; SEQ=512; GB_A=32; MB_EQ=""
+  CAP16=memory.gpu_budget=14.75; CAP24=memory.gpu_budget=23.69
+  MODELS_B=llama-350m,llama-1b,llama-3b,llama-7b; PROFILES_B=$OFF,$NOOFF,$FULL
+  STEPS="--steps 3 --warmup 2"; SMALL="data.num_samples=256 train.warmup_steps=1"
+  TESTS_ARGS="-m gpu"; VALIDATE_ARGS="--models llama-125m --profiles amp-$PREC,$OFF --micro-batches 4 --seq-lens 512 --checkpointing off --steps 3 --timeout 60 checkpoint.save=false"
+  RUN_TIMEOUT=120
+fi
+echo "gpu_bench: $([ "$SMOKE" = 1 ] && echo 'CPU smoke' || echo GPU) run, precision $PREC, python $PY, output $OUT, time box ${TOTAL_S}s"
+
+want() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+
+# stage NAME CAP_SECONDS COMMAND...: run under timeout (capped by the deadline), log to OUT/NAME.log
+stage() {
+  local name=$1 cap=$(($2 * CAPX)); shift 2
+  want "$name" || return 0
+  local left=$((DEADLINE - SECONDS - RESERVE))
+  [ "$cap" -gt "$left" ] && cap=$left
+  if [ "$cap" -lt 20 ]; then
+    printf '%s\tskipped (time box)\t0\t%s\n' "$name" "$cap" >> "$OUT/stages.tsv"
+    echo "== $name: skipped, the time box is spent"; return 0
+  fi
+  echo "== $name (at most ${cap}s): $*"
+  local t0=$SECONDS rc
+  timeout -k 15 "$cap" "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  local st=ok
+  if [ $rc = 124 ] || [ $rc = 137 ]; then st="timeout"; elif [ $rc != 0 ]; then st="exit $rc"; fi
+  printf '%s\t%s\t%s\t%s\n' "$name" "$st" "$((SECONDS - t0))" "$cap" >> "$OUT/stages.tsv"
+  echo "   $st in $((SECONDS - t0))s; last lines:"; tail -n 4 "$OUT/$name.log" | sed 's/^/   | /'
+}
+
+VF="$PY -m launcher"
+stage doctor 45 bash -c "$VF doctor && $VF doctor --json > '$OUT/doctor.json'"
+# DeepSpeed's CPU Adam (offload profiles) is compiled on first use: do it once, time-boxed, before timing anything
+stage ops 150 $VF doctor --build-ops
+stage tests 90 $PY -m pytest -q $TESTS_ARGS tests -p no:cacheprovider --basetemp="$OUT/pytest-tmp"
+# the real card, every profile that applies
+if [ "$SMOKE" = 1 ]; then CARD_MODEL="model.name=tiny data.seq_len=$SEQ train.micro_batch_size=2 train.global_batch_size=4"
+else CARD_MODEL="model.name=llama-125m data.seq_len=512 train.micro_batch_size=8 train.global_batch_size=16"; fi
+stage card 120 $VF bench $CARD_MODEL $SMALL $CARD_PROFILES $STEPS --timeout $RUN_TIMEOUT --out "$OUT/card"
+# (a) offload vs not, each at its largest micro-batch, under the 16 GB cap
+stage find_mb 130 $VF bench model.name=$MODEL_A data.seq_len=$SEQ train.micro_batch_size=1 \
+  train.global_batch_size=$GB_A $SMALL $CAP16 --profiles $NOOFF,$OFF --find micro-batch $STEPS \
+  --timeout $RUN_TIMEOUT --out "$OUT/find_mb_16gb"
+# ... and at the same micro-batch: the no-offload profile's largest
+if want equal_mb; then
+  MB=$($PY - "$OUT/find_mb_16gb/results.json" "$NOOFF" <<'EOF' 2>/dev/null
+import json, sys
+rows = json.load(open(sys.argv[1]))["results"]
+print(next((r.get("best_micro_batch") or "" for r in rows if r["profile"] == sys.argv[2]), ""))
+EOF
+  )
+  MB=${MB:-$MB_EQ}
+  if [ -n "$MB" ]; then
+    stage equal_mb 60 $VF bench model.name=$MODEL_A data.seq_len=$SEQ train.micro_batch_size=$MB \
+      train.global_batch_size=$GB_A $SMALL $CAP16 --profiles $OFF $STEPS --timeout $RUN_TIMEOUT --out "$OUT/equal_mb_16gb"
+  else
+    printf 'equal_mb\tskipped (no micro-batch fits without offload)\t0\t0\n' >> "$OUT/stages.tsv"
+  fi
+fi
+# (b) the largest model that trains under the 16 GB cap, per profile
+stage find_model 170 $VF bench data.seq_len=$SEQ train.micro_batch_size=1 train.global_batch_size=1 $SMALL $CAP16 \
+  --profiles $PROFILES_B --find model --candidates $MODELS_B $STEPS --timeout $RUN_TIMEOUT --out "$OUT/find_model_16gb"
+# the 3090 stand-in: offload or not for a 1B full fine-tune at a fixed micro-batch
+stage card_24gb 90 $VF bench model.name=$MODEL_24 data.seq_len=$SEQ train.micro_batch_size=4 train.global_batch_size=8 \
+  $SMALL $CAP24 --profiles $NOOFF,$OFF $STEPS --timeout $RUN_TIMEOUT --out "$OUT/card_24gb"
+# the memory planner against real peaks
+stage validate 90 $PY scripts/validate_planner.py --out "$OUT/validate_planner" $VALIDATE_ARGS
+# what the memory monitor costs on this device
+if [ "$SMOKE" = 1 ]; then MON="--repeats 1 --steps 6 --warmup 2 data.seq_len=32 train.micro_batch_size=2 train.global_batch_size=4"
+else MON="--repeats 2 --steps 30 --warmup 5 model.name=llama-125m data.seq_len=512 train.micro_batch_size=4 train.global_batch_size=8 profile=amp-$PREC"; fi
+stage monitor 90 $PY scripts/bench_monitor.py --out "$OUT/monitor" $MON
+
+# ---- the short table, last
+$PY - "$OUT" "$NOOFF" "$OFF" <<'EOF'
+import json, os, sys
+
+out, nooff, off = sys.argv[1:4]
+G = 2**30
+def load(name):
+    p = os.path.join(out, name, "results.json")
+    return json.load(open(p))["results"] if os.path.exists(p) else []
+def gib(x): return "-" if not x else f"{x / G:.2f}"
+def tps(x): return "-" if not x else f"{x:.0f}"
+lines = ["", f"# gpu_bench summary ({out})", "", "stages: " + "; ".join(
+    "{} {}".format(*l.split("\t")[:2]) for l in open(os.path.join(out, "stages.tsv")).read().splitlines()[1:]), ""]
+card = load("card")
+if card:
+    lines += ["card: profile | status | tokens/s | ratio | peak GPU GiB | planned GPU GiB | peak CPU GiB"]
+    lines += [f"  {r['profile']} | {r['status']} | {tps(r.get('tokens_per_s'))} | {r.get('ratio_to_fastest') or '-'} | "
+              f"{gib(r.get('peak_gpu_bytes'))} | {gib(r.get('predicted_gpu_bytes'))} | {gib(r.get('peak_cpu_rss_bytes'))}"
+              for r in card]
+fa = {r["profile"]: r for r in load("find_mb_16gb")}
+if fa:
+    a, b = fa.get(nooff, {}), fa.get(off, {})
+    lines += ["", "(a) 16 GB cap, largest micro-batch (measured / planner) and tokens/s there:"]
+    for name, r in ((nooff, a), (off, b)):
+        lines.append(f"  {name}: mb {r.get('best_micro_batch') or '-'} / {r.get('planned_best_micro_batch') or '-'}, "
+                     f"{tps(r.get('tokens_per_s'))} tokens/s, peak GPU {gib(r.get('peak_gpu_bytes'))} GiB")
+    if a.get("tokens_per_s") and b.get("tokens_per_s"):
+        lines.append(f"  offload / no offload, each at its best: {b['tokens_per_s'] / a['tokens_per_s']:.2f}x")
+    eq = load("equal_mb_16gb")
+    if eq and eq[0].get("tokens_per_s") and a.get("tokens_per_s"):
+        lines.append(f"  offload / no offload at micro-batch {eq[0].get('micro_batch')}: "
+                     f"{eq[0]['tokens_per_s'] / a['tokens_per_s']:.2f}x")
+fb = load("find_model_16gb")
+if fb:
+    lines += ["", "(b) 16 GB cap, largest model that trains (measured / planner):"]
+    lines += [f"  {r['profile']}: {r.get('best_model') or '-'} / {r.get('planned_best_model') or '-'}  (tried: "
+              + ", ".join(f"{c['candidate']} {c['status']}" for c in r.get("candidates", [])) + ")" for r in fb]
+c24 = load("card_24gb")
+if c24:
+    lines += ["", "24 GB cap: " + "; ".join(f"{r['profile']} {r['status']} {tps(r.get('tokens_per_s'))} tokens/s, "
+                                           f"peak GPU {gib(r.get('peak_gpu_bytes'))} GiB" for r in c24)]
+mon = os.path.join(out, "monitor", "bench_monitor.json")
+if os.path.exists(mon):
+    m = json.load(open(mon))
+    lines += ["", f"monitor overhead: {m['overhead_pct']:+.2f}% tokens/s (median paired ratio "
+                  f"{m['median_paired_ratio']:.3f}); direct {m['direct']['loop_calls_us_per_step']:.0f} us/step"]
+vp = os.path.join(out, "validate_planner", "validate_planner.json")
+if os.path.exists(vp):
+    v = json.load(open(vp))
+    lines += ["", f"planner validation ({v.get('part')}): max |error| {v.get('max_abs_err_pct')}%"]
+text = "\n".join(lines)
+open(os.path.join(out, "summary.md"), "w").write(text + "\n")
+print(text)
+EOF
+echo "gpu_bench: done in ${SECONDS}s; everything is in $OUT"
