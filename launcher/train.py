@@ -213,6 +213,15 @@ def build_engine(cfg: Config, res: Resolved, model, hw: Hardware, hidden_size: i
 
 def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -> dict:
     """Run one training job end to end. Returns the summary (also written to summary.json)."""
+    try:
+        return _train(cfg, hooks, hw)
+    finally:
+        from launcher.engines.deepspeed import restore_torch_functions  # does not import deepspeed
+
+        restore_torch_functions()
+
+
+def _train(cfg: Config, hooks: Hooks | None, hw: Hardware | None) -> dict:
     hooks = hooks or Hooks()
     dist = dist_env()
     if dist.world > 1 and not torch.distributed.is_initialized():
@@ -259,13 +268,20 @@ def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -
     mon = MemoryMonitor.for_run(cfg, rd, device, log).start()  # memory.csv from here; stopped in the loop's finally
     # ---- model, engine
 
-    def make_engine(rung: Rung):
+    def make_engine(rung: Rung, state: dict | None = None):
+        """A model and engine for ``rung``; with ``state`` (portable_state of the engine it replaces), the
+        weights go into the model before the engine wraps it, so low-precision copies are made from them."""
         profile = PROFILES[rung.profile]
         r = replace(res, profile=profile, precision=profile.precision, micro_batch=rung.micro_batch,
                     accumulation=rung.accumulation)
         torch.manual_seed(cfg.seed)
         model = build_model(cfg, weight_dtype(cfg, profile.engine, profile.precision), hf_config, device=res.device,
                             precision=profile.precision)
+        if state is not None:
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if name in state:
+                        p.copy_(state[name]["param"])
         if rung.checkpointing:
             enable_checkpointing(model)
         engine, ds_config = build_engine(cfg, r, model, hw, hf_config.hidden_size)
@@ -345,11 +361,11 @@ def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -
                 log(f"OOM at step {st.step + 1}: {move.reason}")
                 st.fallbacks.append({"from": asdict(rung), "to": asdict(move.to), "reason": move.reason,
                                      "step": st.step + 1})
-                if move.kind == "profile":
+                if move.kind == "profile" or not engine.resets_in_place:  # rebuild from the last state
                     state = engine.portable_state()
                     engine = model = None
                     free_memory(device)
-                    engine, model = make_engine(move.to)
+                    engine, model = make_engine(move.to, state)
                     engine.load_portable_state(state, st.step - st.skipped)
                     del state
                 else:

@@ -184,7 +184,7 @@ def test_oom_ladder_runs_to_checkpointing_and_more_offload(tmp_path):
     assert [f["to"]["profile"] for f in s["fallbacks"]] == ["zero2-bf16", "zero2-bf16", "zero2-bf16-offload-opt"]
     ref, ref_rows = run_inprocess(tmp_path, *base, "run_name=ref")
     mx, _ = compare(losses(rows), losses(ref_rows), "bf16 after moving to offload vs no OOM")
-    assert mx < 2e-2  # bf16 curves; the moved state (fp32 master, Adam m, v) carries over exactly
+    assert mx < 1e-3  # the moved state (fp32 master, Adam m, v, 16-bit weights) carries over exactly: 2.6e-5 measured
 
 
 def test_non_oom_error_is_not_swallowed(tmp_path):

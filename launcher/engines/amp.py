@@ -36,6 +36,7 @@ def make_scaler(device: torch.device, precision: str, loss_scale) -> torch.amp.G
 
 class AmpEngine:
     name = "amp"
+    resets_in_place = True  # reset_micro_batch drops a half-accumulated step exactly
 
     def __init__(self, model: torch.nn.Module, *, precision: str, device: torch.device, param_groups: list[dict],
                  lr: float, betas, eps: float, grad_clip: float, loss_scale, optimizer: str = "adamw"):

@@ -24,6 +24,7 @@ class Engine(Protocol):
     name: str  # 'amp' | 'deepspeed' | 'fsdp'
     optimizer_name: str  # e.g. 'torch.optim.AdamW(fused)', 'DeepSpeedCPUAdam'
     device: torch.device
+    resets_in_place: bool  # reset_micro_batch leaves the engine ready to go on (else the OOM ladder rebuilds it)
 
     def forward_backward(self, batch: dict, accumulation: int) -> torch.Tensor:
         """Forward and backward one micro-batch; the loss is divided by ``accumulation``. Returns the
@@ -45,6 +46,16 @@ class Engine(Protocol):
 
     def module(self) -> torch.nn.Module:
         """The underlying (unwrapped) HF model, for generation and inspection."""
+
+    def reset_micro_batch(self, micro_batch: int, accumulation: int) -> None:
+        """Drop a half-accumulated step (after an OOM or a NaN loss) and go on with a new micro-batch."""
+
+    def portable_state(self) -> dict:
+        """{parameter name: {'param', 'exp_avg', 'exp_avg_sq'}} as full fp32 CPU tensors, to rebuild an engine."""
+
+    def load_portable_state(self, state: dict, step: int) -> None:
+        """Put ``portable_state`` into a fresh engine (whose model already holds the weights); ``step``
+        is the number of optimizer updates done (Adam's bias correction)."""
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:

@@ -26,6 +26,18 @@ def ensure_dist_env() -> None:
         os.environ.setdefault(k, v)
 
 
+def restore_torch_functions() -> None:
+    """Put back what ZeRO-3 replaced for the whole process: ``torch.nn.functional.linear`` (its memory
+    efficient linear, which DeepSpeed says "will persist unless manually reset"). Called when a run ends,
+    so later work in the same process (the planner's traces, another run) sees plain torch."""
+    import sys
+
+    pp = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    original = getattr(getattr(pp, "InsertPostInitMethodToModuleSubClasses", None), "linear_bk", None)
+    if original is not None:
+        torch.nn.functional.linear = original
+
+
 def optimizer_name(opt) -> str:
     inner = getattr(opt, "optimizer", opt)
     return type(inner).__name__
@@ -33,6 +45,7 @@ def optimizer_name(opt) -> str:
 
 class DeepSpeedEngine:
     name = "deepspeed"
+    resets_in_place = False  # ZeRO keeps a half-accumulated step in its own buffers: the OOM ladder rebuilds
 
     def __init__(self, model: torch.nn.Module, *, ds_config: dict, param_groups: list[dict], device: torch.device):
         import deepspeed
@@ -52,7 +65,6 @@ class DeepSpeedEngine:
         self.optimizer_name = optimizer_name(self.optimizer)
         self.fp16 = bool(ds_config.get("fp16", {}).get("enabled"))
         self._micro = 0
-        self._initial_micro_step_id = getattr(self.optimizer, "micro_step_id", None)
         scaler = getattr(self.optimizer, "loss_scaler", None)
         if scaler is not None and hasattr(scaler, "raise_error_at_min_scale"):
             # DeepSpeed ends the run with a bare Exception at the minimum scale; the loop decides instead
@@ -78,40 +90,45 @@ class DeepSpeedEngine:
         return StepResult(skipped=not self.engine.was_step_applied(), loss_scale=scale, grad_norm=norm)
 
     def reset_micro_batch(self, micro_batch: int, accumulation: int) -> None:
-        """Drop a partly accumulated step (after an OOM) and continue with a new micro-batch size."""
-        self.engine.zero_grad()
-        self.engine.micro_steps -= self._micro
-        self._micro = 0
-        if self._initial_micro_step_id is not None:
-            self.optimizer.micro_step_id = self._initial_micro_step_id  # next backward copies, not accumulates
-        world = self.engine.dp_world_size
-        self.engine.set_train_micro_batch_size(micro_batch)
-        self.engine.set_train_batch_size(micro_batch * accumulation * world)
+        """Drop a partly accumulated step's parameter gradients (a NaN loss: that update is never applied).
 
+        ZeRO keeps a half-accumulated step in its own partition buffers as well (which ones depends on the
+        stage, offload and the DeepSpeed version), so this is not enough to continue training: the OOM
+        ladder rebuilds a DeepSpeed engine from :meth:`portable_state` instead (``resets_in_place``)."""
+        self.engine.zero_grad()
+        self._micro = 0
     def portable_state(self) -> dict:
         """fp32 master weights and Adam moments by parameter name, on the CPU (to rebuild another engine)."""
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+        _link_optimizer_state(self.optimizer)
         out = {}
         for name, p in self.engine.module.named_parameters():
             if not p.requires_grad:
                 continue
             entry = {"param": safe_get_full_fp32_param(p).detach().float().cpu()}
             for key in ("exp_avg", "exp_avg_sq"):
-                v = safe_get_full_optimizer_state(p, key)
+                v = safe_get_full_optimizer_state(p, key) if _has_optimizer_state(self.optimizer) else None
                 if v is not None:
                     entry[key] = v.detach().float().cpu()
             out[name] = entry
         return out
 
     def load_portable_state(self, state: dict, step: int) -> None:
+        """The inverse of :meth:`portable_state` on a fresh engine (the loop has already put the weights in
+        the model before ``deepspeed.initialize``, so the 16-bit copies match; here the fp32 master copies
+        and Adam's moments are set exactly)."""
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
+        moments = any("exp_avg" in v for v in state.values())
+        if moments:
+            _materialize_adam_state(self.optimizer)
+        _link_optimizer_state(self.optimizer)
         for name, p in self.engine.module.named_parameters():
             if name in state:
                 safe_set_full_fp32_param(p, state[name]["param"])
-                for key in ("exp_avg", "exp_avg_sq"):
-                    if key in state[name]:
+                if moments:
+                    for key in ("exp_avg", "exp_avg_sq"):
                         safe_set_full_optimizer_state(p, state[name][key], key)
         _set_adam_step(self.optimizer, step)
 
@@ -143,6 +160,33 @@ class DeepSpeedEngine:
 
     def module(self) -> torch.nn.Module:
         return self.engine.module
+
+
+def _has_optimizer_state(zero_optimizer) -> bool:
+    inner = getattr(zero_optimizer, "optimizer", zero_optimizer)
+    return any(len(st) > 0 for st in inner.state.values())
+
+
+def _materialize_adam_state(zero_optimizer) -> None:
+    """Create Adam's state (zero moments) for every fp32 partition of a fresh engine, as its first step
+    would: DeepSpeed creates optimizer state lazily, and a state that does not exist cannot be set."""
+    inner = getattr(zero_optimizer, "optimizer", zero_optimizer)
+    for group in inner.param_groups:
+        for p in group["params"]:
+            if len(inner.state[p]) == 0:
+                inner.state[p] = {"step": 0, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+
+def _link_optimizer_state(zero_optimizer) -> None:
+    """(Re)point each ZeRO-1/2 parameter's optimizer-state fragments at the optimizer's state.
+
+    DeepSpeed links them once, after the first step, from inside the step of the first parameter group,
+    when the state of the other groups (the no-weight-decay group) does not exist yet, so those
+    parameters stay unlinked and ``safe_get_full_optimizer_state`` fails for them (0.19)."""
+    if hasattr(zero_optimizer, "_hp_optimizer_states_linked") and hasattr(
+            zero_optimizer, "_lazy_init_hp_params_optimizer_state"):
+        zero_optimizer._hp_optimizer_states_linked = False
+        zero_optimizer._lazy_init_hp_params_optimizer_state()
 
 
 def _set_adam_step(optimizer, step: int) -> None:

@@ -85,6 +85,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 class FsdpEngine:
     name = "fsdp"
+    resets_in_place = True  # reset_micro_batch drops a half-accumulated step exactly
 
     def __init__(self, model: torch.nn.Module, *, precision: str, device: torch.device, lr: float, betas,
                  eps: float, weight_decay: float, grad_clip: float, loss_scale, offload: bool = True,
