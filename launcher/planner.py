@@ -377,10 +377,19 @@ def _states(p: Profile, run: _Run, accumulation: int) -> dict:
     return {"gpu_fb": fb, "gpu_step": step, "cpu": cpu, "cpu_load": int(load)}
 
 
+def _asked_for(p: Profile, cfg: Config) -> bool:
+    """The profile by name, or the engine when all its profiles of this precision offload (FSDP): on a
+    CPU-only machine offloading changes nothing, but the user may want that engine's code path."""
+    if cfg.profile == p.name:
+        return True
+    return cfg.engine == p.engine and all(q.offloads for q in PROFILES.values()
+                                          if q.engine == p.engine and q.precision == p.precision)
+
+
 def _not_available(p: Profile, run: _Run, cfg: Config, engines: set[str], hw: Hardware) -> str | None:
     if cfg.engine != AUTO and p.engine != cfg.engine:
         return f"engine={cfg.engine} was asked"
-    if run.device == "cpu" and p.offloads:
+    if run.device == "cpu" and p.offloads and not _asked_for(p, cfg):
         return "offloads from a GPU to the CPU; there is no GPU"
     if run.device == "cpu" and p.engine == "deepspeed" and p.precision == "fp16":
         return "DeepSpeed refuses fp16 on the CPU"

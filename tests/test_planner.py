@@ -267,6 +267,10 @@ def test_cpu_target_puts_everything_on_the_cpu():
     assert chosen is not None and chosen.gpu_bytes == 0 and chosen.parts["gpu"] == {}
     assert chosen.parts["cpu"]["weights"] > 0 and chosen.parts["cpu"]["activations"] > 0
     assert all(not r.available for r in p.profiles if "offload" in r.profile)
+    # ... unless that engine is asked for and all its profiles offload (FSDP), or the profile by name
+    f = tiny_plan("engine=fsdp", "precision=bf16", hw=fake_hw(gpu_gib=0))
+    assert f.chosen == "fsdp-bf16-offload" and not f.get("zero2-bf16-offload-opt").available
+    assert tiny_plan("profile=zero2-bf16-offload-opt", hw=fake_hw(gpu_gib=0)).chosen == "zero2-bf16-offload-opt"
 
 
 def test_budgets():
