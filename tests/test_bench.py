@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from conftest import has_deepspeed, run_cli
 from launcher import bench
 
@@ -86,6 +88,7 @@ def _check_outputs(out, n_rows):
     return doc, md
 
 
+@pytest.mark.slow
 def test_bench_two_profiles_on_cpu(tmp_path):
     profiles = ["amp-fp32", "zero2-fp32" if has_deepspeed() else "amp-bf16"]
     out = str(tmp_path / "bench")
@@ -106,6 +109,7 @@ def test_bench_two_profiles_on_cpu(tmp_path):
     assert "| profile | status | tokens/s" in p.stdout  # the table is printed last
 
 
+@pytest.mark.slow
 def test_bench_find_micro_batch_on_cpu(tmp_path):
     """On a CPU, --find has the measured RSS against memory.cpu_budget: a generous budget fits the largest."""
     out = str(tmp_path / "find")

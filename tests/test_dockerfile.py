@@ -65,3 +65,11 @@ def test_hadolint_passes():
 def test_dockerignore_keeps_local_state_out():
     lines = open(os.path.join(ROOT, ".dockerignore")).read().split()
     assert {".git", ".venv", "runs"} <= set(lines)
+
+
+def test_every_launcher_package_is_packaged():
+    """A non-editable install (the image's ``pip install .``) ships only the listed packages."""
+    listed = set(tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["tool"]["setuptools"]["packages"])
+    found = {os.path.relpath(d, ROOT).replace(os.sep, ".") for d, _, files in os.walk(os.path.join(ROOT, "launcher"))
+             if "__init__.py" in files}
+    assert found == listed, f"pyproject.toml [tool.setuptools] packages: missing {found - listed}, stale {listed - found}"

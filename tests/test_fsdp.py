@@ -83,6 +83,7 @@ def test_parity_bf16_fsdp_vs_amp(runs):
     assert rf[-1]["loss"] < rf[0]["loss"] - 1.0
 
 
+@pytest.mark.slow
 @needs_deepspeed
 def test_parity_bf16_fsdp_vs_deepspeed_offload(runs):
     """Both offload paths keep fp32 masters and Adam moments on the CPU and compute in bf16; DeepSpeed's step
@@ -230,6 +231,7 @@ def torchrun(nproc: int, script: str, *overrides, timeout: int = 600) -> subproc
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_two_ranks_match_one_rank(runs, tmp_path):
     """2 ranks (gloo) x micro-batch 1 x accumulation 2 shard every parameter, gradient and Adam moment in two
     and see half of each global batch: the math is that of 1 rank x micro-batch 2 x accumulation 2, so fp32

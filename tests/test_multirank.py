@@ -40,6 +40,7 @@ def rows_of(run_dir):
     return [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("profile", [pytest.param("zero2-fp32", marks=needs_deepspeed), "amp-fp32"])
 def test_two_ranks_match_one_rank_and_resume(tmp_path, profile):
     """2 ranks x micro-batch 1 == 1 rank x micro-batch 2 (fp32, 1e-5 relative); the run directory is written

@@ -33,6 +33,7 @@ def test_parity_bf16_deepspeed_vs_amp(tmp_path):
     assert mx < 3e-2 and mean < 1.5e-2
 
 
+@pytest.mark.slow
 @needs_deepspeed
 def test_parity_deepspeed_offload_vs_no_offload(tmp_path):
     """Optimizer offload runs the same math with DeepSpeedCPUAdam on fp32 masters: bf16 curves agree closely."""
@@ -79,6 +80,7 @@ def test_demo_loss_falls_and_run_dir_contract(tmp_path):
     assert "loss" in r.stdout and "run directory" in r.stdout
 
 
+@pytest.mark.slow
 def test_deepspeed_launcher_entry_accepts_local_rank(tmp_path):
     """`deepspeed launcher/run.py` appends --local_rank=N; plain `python launcher/run.py` works too."""
     import subprocess
