@@ -5,23 +5,27 @@
   memory (NVML through ``torch.cuda.device_memory_used``; ``cudaMemGetInfo`` when pynvml is absent), so
   other tenants show; this process's RSS, the RSS of the process tree (DeepSpeed and torch start
   worker processes) and the system's available RAM.
-- **Per-step peaks** (``metrics.jsonl``): the loop marks the optimizer step; hooks on the model mark
-  where a training forward starts and ends, so a step splits into ``forward`` (until the loss),
-  ``backward`` and ``step``. At each switch the peak of the phase that ended is read and the counter
-  reset: ``torch.cuda.max_memory_allocated`` / ``reset_peak_memory_stats`` on CUDA
-  (``peak_forward_bytes``, ``peak_backward_bytes``, ``peak_step_bytes``; null without a GPU), and on
-  Linux the process's RSS high-water mark, ``VmHWM`` in ``/proc/self/status``, reset by writing 5 to
-  ``/proc/self/clear_refs`` (``peak_forward_rss_bytes`` ...; exact peaks, not samples; null where the
-  kernel does not allow it). With accumulation a phase's peak is the largest over the micro-batches.
-  The run's overall peaks are kept across the resets (:meth:`MemoryMonitor.peak_gpu_bytes`).
+- **Per-step peaks** (``metrics.jsonl``): the loop marks the micro-batches and the optimizer step;
+  hooks on the model mark where a training forward starts and ends, so a step splits into ``forward``
+  (until the loss), ``backward`` and ``step``. At each switch the peak of the phase that ended is read
+  and the counter reset. GPU: ``torch.cuda.max_memory_allocated`` / ``reset_peak_memory_stats``
+  (``peak_forward_bytes``, ``peak_backward_bytes``, ``peak_step_bytes``; null without a GPU: on a CPU
+  there is no allocator counter to reset, and samples every 0.5 s would miss a phase's peak). CPU: the
+  process's RSS high-water mark (Linux ``VmHWM`` in ``/proc/self/status``, reset by writing 5 to
+  ``/proc/self/clear_refs``): exact peaks, not samples, split at the optimizer step only
+  (``peak_forward_backward_rss_bytes``, ``peak_step_rss_bytes``; null where the kernel does not allow
+  the reset), because one read of /proc costs about 0.1 ms after a step's work has cooled the caches and
+  per micro-batch that would show on fast GPU steps. With accumulation a phase's peak is the largest
+  over the micro-batches. The run's overall peaks are kept across the resets
+  (:meth:`MemoryMonitor.peak_gpu_bytes`), so ``summary.json``'s ``peak_gpu_bytes`` is unchanged.
 - **Leak check**: after a warm-up of ``log.leak_steps`` steps, memory after each step (GPU allocated,
   and CPU RSS) that rises over the last ``log.leak_steps`` steps by at least ``log.leak_mib`` without
   ever falling is reported once per series (log line + ``memory_warnings`` in summary.json).
 - **Picture** (``memory.png``): the timeline, the per-phase peaks and the planned peaks.
 
-Cost: a sample reads /proc a few times (well under a millisecond, every 0.5 s by default); a phase
-switch is a few microseconds on CUDA and about 20 us on the CPU. ``scripts/bench_monitor.py``
-measures the effect on tokens/s.
+Cost: a sample reads /proc a few times (under a millisecond, every 0.5 s by default); per step, three
+RSS high-water reads (0.1-0.2 ms together) and a few microseconds per GPU phase switch.
+``scripts/bench_monitor.py`` measures the effect on tokens/s.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import collections
 import csv
 import os
+import resource
 import threading
 import time
 import weakref
@@ -38,7 +43,8 @@ import torch
 
 MiB = 1024**2
 GiB = 1024**3
-PHASES = ("forward", "backward", "step")
+PHASES = ("forward", "backward", "step")  # GPU peaks: the model hooks split forward from backward
+RSS_PHASES = ("forward_backward", "step")  # RSS peaks: split at the optimizer step only (see the docstring)
 CSV_COLUMNS = ("time_s", "step", "phase", "gpu_allocated_bytes", "gpu_reserved_bytes", "gpu_device_used_bytes",
                "gpu_device_total_bytes", "cpu_rss_bytes", "cpu_tree_rss_bytes", "ram_available_bytes")
 CHILDREN_REFRESH_S = 10.0  # listing the process tree walks /proc (milliseconds); the list is reused between
@@ -71,11 +77,18 @@ def detect_leak(values: list[float], window: int, min_growth: float, tolerance: 
 
 
 class _RssHighWater:
-    """This process's RSS high-water mark (Linux ``VmHWM``), resettable through ``/proc/self/clear_refs``."""
+    """This process's RSS high-water mark, resettable through ``/proc/self/clear_refs`` (Linux).
+
+    Read from ``getrusage`` (a few microseconds) when it agrees with ``VmHWM`` in ``/proc/self/status``
+    (about 0.1 ms to generate after a step's work): ``ru_maxrss`` also keeps the high-water mark of the
+    memory this process had before ``exec`` -- a parent's, when started by ``vfork`` as Python's
+    subprocess does -- as a floor that no reset lowers; when that floor is above our own mark, /proc it is.
+    """
 
     def __init__(self):
         self.status = self.clear = None
         self.initial = None  # the high-water mark before the first reset (model load, data, ...)
+        self.rusage = False
         try:
             self.status = os.open("/proc/self/status", os.O_RDONLY)
             self.initial = self.read()
@@ -87,12 +100,16 @@ class _RssHighWater:
             os.write(self.clear, b"5")
         except OSError:  # not allowed here: the overall peak still reads right, per-phase peaks are null
             self.clear = None
+            return
+        self.rusage = _ru_maxrss() <= self.read() + MiB
 
     @property
     def resettable(self) -> bool:
         return self.clear is not None
 
     def read(self) -> int | None:
+        if self.rusage:
+            return _ru_maxrss()
         if self.status is None:
             return None
         b = os.pread(self.status, 4096, 0)
@@ -108,8 +125,13 @@ class _RssHighWater:
             if fd is not None:
                 os.close(fd)
         self.status = self.clear = None
+        self.rusage = False
 
     __del__ = close
+
+
+def _ru_maxrss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
 
 
 def _device_used_reader(device: torch.device):
@@ -254,8 +276,10 @@ class MemoryMonitor:
 
     # ---- phases (the loop and the model hooks)
 
-    def _close_phase(self, new: str) -> None:
-        """Read the peak of the phase that ends, reset the counters, enter ``new``."""
+    def _close_phase(self, new: str, rss: bool = True) -> None:
+        """Read the peak of the phase that ends, reset the counters, enter ``new``. ``rss=False`` (the
+        model hooks) leaves the RSS high-water mark running: the forward and backward of all micro-batches
+        are one RSS segment."""
         old = self.phase
         if self.cuda:
             a = torch.cuda.max_memory_allocated(self.device)
@@ -264,12 +288,14 @@ class MemoryMonitor:
             if old in PHASES:
                 self._peaks[f"gpu:{old}"] = max(self._peaks.get(f"gpu:{old}", 0), a)
             torch.cuda.reset_peak_memory_stats(self.device)
-        h = self._hwm.read()
-        if h is not None:
-            self._overall["rss"] = max(self._overall["rss"], h)
-            if old in PHASES and self._hwm.resettable:
-                self._peaks[f"rss:{old}"] = max(self._peaks.get(f"rss:{old}", 0), h)
-            self._hwm.reset()
+        if rss:
+            h = self._hwm.read()
+            if h is not None:
+                self._overall["rss"] = max(self._overall["rss"], h)
+                seg = {"forward": "forward_backward", "backward": "forward_backward", "step": "step"}.get(old)
+                if seg and self._hwm.resettable:
+                    self._peaks[f"rss:{seg}"] = max(self._peaks.get(f"rss:{seg}", 0), h)
+                self._hwm.reset()
         self.phase = new
 
     def mark(self, name: str, engine=None) -> None:
@@ -291,11 +317,11 @@ class MemoryMonitor:
 
         def pre(_m, _args):
             if torch.is_grad_enabled() and self.phase != "forward":
-                self._close_phase("forward")
+                self._close_phase("forward", rss=False)
 
         def post(_m, _args, _out):
             if torch.is_grad_enabled() and self.phase == "forward":
-                self._close_phase("backward")
+                self._close_phase("backward", rss=False)
 
         self._handles = [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
         self._watched = module
@@ -309,7 +335,8 @@ class MemoryMonitor:
         out = {}
         for ph in PHASES:
             out[f"peak_{ph}_bytes"] = self._peaks.get(f"gpu:{ph}") if self.cuda else None
-            out[f"peak_{ph}_rss_bytes"] = self._peaks.get(f"rss:{ph}")
+        for seg in RSS_PHASES:
+            out[f"peak_{seg}_rss_bytes"] = self._peaks.get(f"rss:{seg}")
         self._peaks = {}
         if step % self._stride == 0:
             self.step_peaks.append((time.perf_counter() - self._t0, step, out))
@@ -412,14 +439,15 @@ def plot_memory(csv_path: str, out: str, step_peaks=(), predicted_gpu_bytes=None
     FigureCanvasAgg(fig)
     axes = fig.subplots(2 if has_gpu else 1, 1, sharex=True, squeeze=False)[:, 0]
     g = lambda xs: [None if x is None else x / GiB for x in xs]  # noqa: E731
-    colors = {"forward": "tab:blue", "backward": "tab:orange", "step": "tab:green"}
+    colors = {"forward": "tab:blue", "backward": "tab:orange", "step": "tab:green", "forward_backward": "tab:blue"}
     pt = [p[0] for p in step_peaks]
 
-    def peaks(ax, fmt):
-        for ph in PHASES:
+    def peaks(ax, fmt, phases):
+        for ph in phases:
             ys = [p[2].get(fmt.format(ph)) for p in step_peaks]
             if any(y is not None for y in ys):
-                ax.plot(pt, g(ys), ".-", ms=3, lw=0.6, color=colors[ph], alpha=0.8, label=f"{ph} peak (per step)")
+                ax.plot(pt, g(ys), ".-", ms=3, lw=0.6, color=colors[ph], alpha=0.8,
+                        label=f"{ph.replace('_', ' + ')} peak (per step)")
 
     def finish(ax, predicted, what):
         if predicted:
@@ -436,7 +464,7 @@ def plot_memory(csv_path: str, out: str, step_peaks=(), predicted_gpu_bytes=None
         ax.plot(t, g(c["gpu_reserved_bytes"]), color="dimgray", lw=1, label="reserved (this process)")
         if any(v is not None for v in c["gpu_device_used_bytes"]):
             ax.plot(t, g(c["gpu_device_used_bytes"]), color="tab:purple", lw=1, label="device used (all processes)")
-        peaks(ax, "peak_{}_bytes")
+        peaks(ax, "peak_{}_bytes", PHASES)
         finish(ax, predicted_gpu_bytes, "GPU")
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)
         ax.set_title("GPU memory")
@@ -444,7 +472,7 @@ def plot_memory(csv_path: str, out: str, step_peaks=(), predicted_gpu_bytes=None
     ax.plot(t, g(c["cpu_rss_bytes"]), color="black", lw=1.2, label="RSS (this process)")
     if c["cpu_tree_rss_bytes"] != c["cpu_rss_bytes"]:
         ax.plot(t, g(c["cpu_tree_rss_bytes"]), color="dimgray", lw=1, label="RSS (process tree)")
-    peaks(ax, "peak_{}_rss_bytes")
+    peaks(ax, "peak_{}_rss_bytes", RSS_PHASES)
     finish(ax, predicted_cpu_bytes, "CPU")
     ax.set_title("CPU memory")
     ax.set_xlabel("seconds since the run started")

@@ -27,6 +27,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import torch  # noqa: E402
+
 from launcher import monitor as monitor_mod  # noqa: E402
 from launcher.bench import cpu_model, timing  # noqa: E402
 from launcher.config import load_config  # noqa: E402
@@ -119,10 +121,13 @@ def main(argv=None) -> int:
     sample_us = timer.seconds["sample"] / max(1, timer.calls["sample"]) * 1e6
     res = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpu": cpu_model(), "cpus": os.cpu_count(),
-        "load_average": os.getloadavg(), "workload": overrides, "repeats": a.repeats, "warmup": a.warmup,
+        "load_average": os.getloadavg(), "torch_threads": torch.get_num_threads(),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "workload": overrides, "repeats": a.repeats, "warmup": a.warmup,
         "runs": runs, "median_tokens_per_s_on": statistics.median(on), "median_tokens_per_s_off": statistics.median(off),
         "overhead_pct": 100 * (1 - statistics.median(on) / statistics.median(off)),
         "median_paired_ratio": statistics.median(pairs), "paired_ratios": pairs,
+        "mean_paired_ratio": statistics.fmean(pairs),
+        "paired_ratio_stderr": statistics.stdev(pairs) / len(pairs) ** 0.5 if len(pairs) > 1 else None,
         "direct": {"loop_calls_us_per_step": loop_us, "sample_us": sample_us,
                    "loop_calls_pct_of_step": 100 * loop_us / 1e6 / step_s_on,
                    "sampler_pct_at_0.5s": 100 * sample_us / 1e6 / 0.5},
@@ -131,14 +136,17 @@ def main(argv=None) -> int:
     md = "\n".join([
         f"Memory monitor overhead, {res['date']}, {res['cpu']} x {res['cpus']} (load average at the end "
         f"{', '.join(f'{x:.1f}' for x in res['load_average'])})",
-        f"workload: `{' '.join(overrides)}`, {a.repeats} alternating pairs, first {a.warmup} steps of each run untimed",
+        f"workload: `{' '.join(overrides)}` (torch threads {res['torch_threads']}), {a.repeats} alternating pairs, "
+        f"first {a.warmup} steps of each run untimed",
         "",
         "| monitor | median tokens/s | runs (tokens/s) |", "| --- | ---: | --- |",
         f"| on (interval 0.5 s) | {res['median_tokens_per_s_on']:.1f} | {', '.join(f'{x:.1f}' for x in on)} |",
         f"| off | {res['median_tokens_per_s_off']:.1f} | {', '.join(f'{x:.1f}' for x in off)} |",
         "",
-        f"overhead (1 - median on / median off): {res['overhead_pct']:+.2f}%; median paired ratio on/off "
-        f"{res['median_paired_ratio']:.4f} (pairs: {', '.join(f'{x:.3f}' for x in pairs)})",
+        f"overhead (1 - median on / median off): {res['overhead_pct']:+.2f}%; paired ratios on/off: median "
+        f"{res['median_paired_ratio']:.4f}, mean {res['mean_paired_ratio']:.4f}"
+        + (f" +- {res['paired_ratio_stderr']:.4f} (standard error)" if res["paired_ratio_stderr"] else "")
+        + f" (pairs: {', '.join(f'{x:.3f}' for x in pairs)})",
         f"measured directly: the monitor's work in the training thread (loop calls and hook phase switches) "
         f"{loop_us:.0f} us per step "
         f"({res['direct']['loop_calls_pct_of_step']:.3f}% of a {step_s_on * 1000:.0f} ms step); one sample "

@@ -35,8 +35,9 @@ def test_leak_detector_fires_on_growth_and_not_on_flat_or_noise():
     assert detect_leak([base] * 9 + [base + 200 * MiB], window=10, min_growth=64 * MiB) is None
 
 
-def test_phase_peaks_split_forward_backward_and_step(tmp_path):
-    """A forward that briefly touches 64 MiB: its peak shows in the forward phase, not in the others."""
+def test_phase_peaks_split_at_the_step_and_hooks_mark_backward(tmp_path):
+    """A forward that briefly touches 64 MiB and an optimizer step that touches 128 MiB: each peak shows in
+    its own phase; the model hooks move the phase from forward to backward when the forward returns."""
     mon = MemoryMonitor(str(tmp_path / "memory.csv"), torch.device("cpu"), interval_s=0.05, leak_steps=0)
     if not mon._hwm.resettable:
         pytest.skip("this kernel does not let a process reset its RSS high-water mark (/proc/self/clear_refs)")
@@ -53,21 +54,31 @@ def test_phase_peaks_split_forward_backward_and_step(tmp_path):
     model = Blob()
     engine = SimpleNamespace(module=lambda: model)
     mon.start()
-    peaks = []
+    base = psutil.Process().memory_info().rss
+    peaks, phases = [], []
     for step in range(1, 4):
         mon.mark("forward", engine)
-        model(torch.ones(4)).backward()
+        phases.append(mon.phase)
+        loss = model(torch.ones(4))
+        phases.append(mon.phase)
+        loss.backward()
         mon.mark("step")
         with torch.no_grad():
-            model.w -= 0.1 * model.w.grad
+            work = torch.ones(32 * MiB)  # 128 MiB in the optimizer step
+            model.w -= 0.1 * model.w.grad * float(work[0])
+            del work
         model.w.grad = None
         peaks.append(mon.end_step(step, {"cpu_rss_bytes": psutil.Process().memory_info().rss}))
+        with torch.no_grad():
+            model(torch.ones(4))  # an eval forward: not a phase
+        phases.append(mon.phase)
     mon.stop()
+    assert phases == ["forward", "backward", "other"] * 3
     for p in peaks[1:]:
-        assert p["peak_forward_bytes"] is None  # no GPU
-        assert p["peak_forward_rss_bytes"] - p["peak_step_rss_bytes"] >= 48 * MiB, p
-        assert p["peak_forward_rss_bytes"] - p["peak_backward_rss_bytes"] >= 48 * MiB, p
-    assert mon.peak_rss_bytes() >= max(p["peak_forward_rss_bytes"] for p in peaks)
+        assert p["peak_forward_bytes"] is None and p["peak_step_bytes"] is None  # no GPU
+        assert p["peak_step_rss_bytes"] - p["peak_forward_backward_rss_bytes"] >= 48 * MiB, p
+        assert p["peak_forward_backward_rss_bytes"] - base >= 48 * MiB, (p, base)
+    assert mon.peak_rss_bytes() >= max(p["peak_step_rss_bytes"] for p in peaks)
     rows = list(csv.DictReader(open(tmp_path / "memory.csv")))
     assert len(rows) >= 2 and rows[0]["phase"] == "setup"
 
@@ -103,8 +114,8 @@ def test_training_writes_timeline_peaks_png_and_reports_a_leak(tmp_path):
     # per-step, per-phase peaks in metrics.jsonl: RSS high-water marks on the CPU, GPU keys null
     for r in rows:
         assert r["peak_forward_bytes"] is None and r["peak_step_bytes"] is None
-        if r["peak_forward_rss_bytes"] is not None:  # null where the kernel cannot reset the high-water mark
-            assert r["peak_forward_rss_bytes"] >= 50 * MiB and r["peak_step_rss_bytes"] >= 50 * MiB
+        if r["peak_step_rss_bytes"] is not None:  # null where the kernel cannot reset the high-water mark
+            assert r["peak_forward_backward_rss_bytes"] >= 50 * MiB and r["peak_step_rss_bytes"] >= 50 * MiB
     # the leak: reported once, for CPU RSS, after the warm-up steps
     warnings = summary["memory_warnings"]
     assert len(warnings) == 1 and warnings[0]["kind"] == "cpu_rss_bytes", warnings
