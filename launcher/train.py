@@ -268,10 +268,15 @@ def _train(cfg: Config, hooks: Hooks | None, hw: Hardware | None) -> dict:
     mon = MemoryMonitor.for_run(cfg, rd, device, log).start()  # memory.csv from here; stopped in the loop's finally
     # ---- model, engine
 
-    def make_engine(rung: Rung, state: dict | None = None):
+    def make_engine(rung: Rung, state: dict | None = None, loss_scale: float | None = None):
         """A model and engine for ``rung``; with ``state`` (portable_state of the engine it replaces), the
-        weights go into the model before the engine wraps it, so low-precision copies are made from them."""
+        weights go into the model before the engine wraps it, so low-precision copies are made from them;
+        ``loss_scale``: the fp16 scale the replaced engine had reached (scales are powers of two), so the new
+        one does not start again at 2**initial_power and skip steps finding it."""
         profile = PROFILES[rung.profile]
+        c = cfg
+        if loss_scale:
+            c = replace(cfg, loss_scale=replace(cfg.loss_scale, initial_power=max(0, round(math.log2(loss_scale)))))
         r = replace(res, profile=profile, precision=profile.precision, micro_batch=rung.micro_batch,
                     accumulation=rung.accumulation)
         torch.manual_seed(cfg.seed)
@@ -284,7 +289,7 @@ def _train(cfg: Config, hooks: Hooks | None, hw: Hardware | None) -> dict:
                         p.copy_(state[name]["param"])
         if rung.checkpointing:
             enable_checkpointing(model)
-        engine, ds_config = build_engine(cfg, r, model, hw, hf_config.hidden_size)
+        engine, ds_config = build_engine(c, r, model, hw, hf_config.hidden_size)
         if ds_config is not None:
             rd.write_json("ds_config.json", ds_config)
         return engine, model
@@ -329,7 +334,7 @@ def _train(cfg: Config, hooks: Hooks | None, hw: Hardware | None) -> dict:
     t_start = time.perf_counter()
     tokens_per_step = cfg.train.global_batch_size * seq_len
     peak_rss = psutil.Process().memory_info().rss
-    loss, at_min_scale = float("nan"), 0
+    loss, at_min_scale, last_scale = float("nan"), 0, None  # last_scale: fp16 loss scale after the last step
     usable, _ = candidate_order(cfg, hw, res.precision, device, allow_offload=True)
     progress = Progress(cfg, st.step, log, _format_row)
     try:
@@ -353,6 +358,7 @@ def _train(cfg: Config, hooks: Hooks | None, hw: Hardware | None) -> dict:
                     break
                 mon.mark("step")
                 result: StepResult = engine.step(lr)
+                last_scale = result.loss_scale
             except torch.OutOfMemoryError as oom:  # anything else propagates untouched
                 move = next_move(rung, usable) if cfg.train.oom_fallback else None
                 if move is None:
@@ -365,7 +371,7 @@ def _train(cfg: Config, hooks: Hooks | None, hw: Hardware | None) -> dict:
                     state = engine.portable_state()
                     engine = model = None
                     free_memory(device)
-                    engine, model = make_engine(move.to, state)
+                    engine, model = make_engine(move.to, state, last_scale)
                     engine.load_portable_state(state, st.step - st.skipped)
                     del state
                 else:
