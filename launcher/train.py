@@ -341,6 +341,7 @@ def _train(cfg: Config, hooks: Hooks | None, hw: Hardware | None) -> dict:
         while st.step < cfg.train.max_steps:
             t0 = time.perf_counter()
             lr = lr_at(st.step, cfg)
+            move = None
             try:
                 if hooks.before_step:
                     hooks.before_step(st.step, engine)
@@ -359,16 +360,19 @@ def _train(cfg: Config, hooks: Hooks | None, hw: Hardware | None) -> dict:
                 mon.mark("step")
                 result: StepResult = engine.step(lr)
                 last_scale = result.loss_scale
-            except torch.OutOfMemoryError as oom:  # anything else propagates untouched
+            except torch.OutOfMemoryError:  # anything else propagates untouched
                 move = next_move(rung, usable) if cfg.train.oom_fallback else None
                 if move is None:
                     raise
-                del oom
+            if move is not None:
+                # Out of the except block: until it ends, the exception's traceback keeps the failed step's
+                # frames, and with them its activations and the engine, from being freed.
                 log(f"OOM at step {st.step + 1}: {move.reason}")
                 st.fallbacks.append({"from": asdict(rung), "to": asdict(move.to), "reason": move.reason,
                                      "step": st.step + 1})
                 if move.kind == "profile" or not engine.resets_in_place:  # rebuild from the last state
                     state = engine.portable_state()
+                    engine.close()  # DeepSpeed keeps references (hooks) that would outlive the object
                     engine = model = None
                     free_memory(device)
                     engine, model = make_engine(move.to, state, last_scale)

@@ -1,11 +1,13 @@
 """Faults a rented GPU meets, injected on CPU: preemption (SIGTERM/SIGINT/SIGKILL), OOM, fp16 overflow, NaN."""
 
+import gc
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import weakref
 
 import pytest
 import torch
@@ -163,7 +165,18 @@ def test_ladder_sequence_is_pure_and_complete():
 def test_oom_halves_micro_batch_and_matches_run_that_started_there(tmp_path, profile):
     base = [f"profile={profile}", "train.micro_batch_size=4", "train.global_batch_size=8", "train.max_steps=10",
             "train.warmup_steps=2"]
-    s, rows = run_inprocess(tmp_path, *base, "run_name=oom", hooks=oom_hook([2, 5]))
+    inject, first = oom_hook([2, 5]), {}
+
+    def before_step(step, engine):
+        if step == 0:
+            first["model"] = weakref.ref(engine.module())
+        if step == 4:  # after the first move: a replaced engine (DeepSpeed) must be gone, not held in memory
+            gc.collect()
+            first["freed"] = engine.module() is first["model"]() or first["model"]() is None
+        inject.before_step(step, engine)
+
+    s, rows = run_inprocess(tmp_path, *base, "run_name=oom", hooks=Hooks(before_step=before_step))
+    assert first["freed"]
     assert s["status"] == "completed" and s["steps"] == 10
     assert [r["micro_batch"] for r in rows] == [4, 4, 2, 2, 2, 1, 1, 1, 1, 1]
     assert (s["micro_batch"], s["accumulation"], s["global_batch_size"]) == (1, 8, 8)

@@ -96,6 +96,9 @@ class AmpEngine:
         self.optimizer.zero_grad(set_to_none=True)
         self._micro = 0
 
+    def close(self) -> None:
+        """Nothing outlives this engine but what the loop drops."""
+
     def portable_state(self) -> dict:
         out = {}
         for name, p in self.model.named_parameters():

@@ -53,6 +53,9 @@ class Engine(Protocol):
     def portable_state(self) -> dict:
         """{parameter name: {'param', 'exp_avg', 'exp_avg_sq'}} as full fp32 CPU tensors, to rebuild an engine."""
 
+    def close(self) -> None:
+        """Release what would outlive the object (library hooks, buffers) before it is replaced."""
+
     def load_portable_state(self, state: dict, step: int) -> None:
         """Put ``portable_state`` into a fresh engine (whose model already holds the weights); ``step``
         is the number of optimizer updates done (Adam's bias correction)."""

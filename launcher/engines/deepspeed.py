@@ -97,6 +97,11 @@ class DeepSpeedEngine:
         ladder rebuilds a DeepSpeed engine from :meth:`portable_state` instead (``resets_in_place``)."""
         self.engine.zero_grad()
         self._micro = 0
+    def close(self) -> None:
+        """Release what DeepSpeed keeps beyond this object (hooks, optimizer buffers), so that the memory of
+        an engine being replaced (OOM ladder) is free before the next one is built."""
+        self.engine.destroy()
+
     def portable_state(self) -> dict:
         """fp32 master weights and Adam moments by parameter name, on the CPU (to rebuild another engine)."""
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state

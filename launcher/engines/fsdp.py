@@ -231,6 +231,9 @@ class FsdpEngine:
         return self.model
 
     # ---- moving to another engine (OOM ladder) and back
+    def close(self) -> None:
+        """Nothing outlives this engine but what the loop drops."""
+
     def portable_state(self) -> dict:
         """fp32 weights and Adam moments by parameter name, full and on the CPU of every rank. Collective."""
         out = {}
