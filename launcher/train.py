@@ -457,6 +457,7 @@ def _train(cfg: Config, hooks: Hooks | None, hw: Hardware | None) -> dict:
     rd.write_json("summary.json", summary)
     mon.plot(rd.file("memory.png"), summary["predicted_gpu_bytes"], summary["predicted_cpu_bytes"], rd.path)
     _print_summary(summary)
+    engine.close()  # a DeepSpeed engine would otherwise stay in memory after the run (in-process callers)
     return summary
 
 
