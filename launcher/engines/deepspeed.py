@@ -113,7 +113,10 @@ class DeepSpeedEngine:
                 continue
             entry = {"param": safe_get_full_fp32_param(p).detach().float().cpu()}
             for key in ("exp_avg", "exp_avg_sq"):
-                v = safe_get_full_optimizer_state(p, key) if _has_optimizer_state(self.optimizer) else None
+                try:  # no state yet: an OOM in the first step, possibly after some groups were stepped
+                    v = safe_get_full_optimizer_state(p, key) if _has_optimizer_state(self.optimizer) else None
+                except (ValueError, KeyError):
+                    v = None
                 if v is not None:
                     entry[key] = v.detach().float().cpu()
             out[name] = entry
@@ -132,8 +135,8 @@ class DeepSpeedEngine:
         for name, p in self.engine.module.named_parameters():
             if name in state:
                 safe_set_full_fp32_param(p, state[name]["param"])
-                if moments:
-                    for key in ("exp_avg", "exp_avg_sq"):
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key in state[name]:  # else zero moments, as a fresh Adam has
                         safe_set_full_optimizer_state(p, state[name][key], key)
         _set_adam_step(self.optimizer, step)
 
