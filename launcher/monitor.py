@@ -227,9 +227,7 @@ class MemoryMonitor:
             self._thread = None
         if self.enabled:
             self._close_phase("done")
-        for h in self._handles:
-            h.remove()
-        self._handles, self._watched = [], None
+        self.unwatch()
         if self._fh is not None:
             self.sample()
             self._fh.close()
@@ -311,9 +309,14 @@ class MemoryMonitor:
         if self.phase != name:
             self._close_phase(name)
 
-    def watch(self, module: torch.nn.Module) -> None:
+    def unwatch(self) -> None:
+        """Drop the hooks and the reference to the watched model (before the OOM ladder replaces it)."""
         for h in self._handles:
             h.remove()
+        self._handles, self._watched = [], None
+
+    def watch(self, module: torch.nn.Module) -> None:
+        self.unwatch()
 
         def pre(_m, _args):
             if torch.is_grad_enabled() and self.phase != "forward":

@@ -361,8 +361,13 @@ def _train(cfg: Config, hooks: Hooks | None, hw: Hardware | None) -> dict:
                 result: StepResult = engine.step(lr)
                 last_scale = result.loss_scale
             except torch.OutOfMemoryError:  # anything else propagates untouched
-                move = next_move(rung, usable) if cfg.train.oom_fallback else None
+                # One process only: with several ranks the others wait in a collective of this step and
+                # cannot take part in a move (portable_state and a new engine are collectives too).
+                move = next_move(rung, usable) if cfg.train.oom_fallback and dist.world == 1 else None
                 if move is None:
+                    if dist.world > 1 and cfg.train.oom_fallback:
+                        log(f"OOM at step {st.step + 1} on rank {dist.rank}: the OOM ladder runs in single-process "
+                            "runs only; resume from the last checkpoint with a smaller train.micro_batch_size")
                     raise
             if move is not None:
                 # Out of the except block: until it ends, the exception's traceback keeps the failed step's
@@ -373,6 +378,7 @@ def _train(cfg: Config, hooks: Hooks | None, hw: Hardware | None) -> dict:
                 if move.kind == "profile" or not engine.resets_in_place:  # rebuild from the last state
                     state = engine.portable_state()
                     engine.close()  # DeepSpeed keeps references (hooks) that would outlive the object
+                    mon.unwatch()
                     engine = model = None
                     free_memory(device)
                     engine, model = make_engine(move.to, state, last_scale)

@@ -170,13 +170,14 @@ def test_oom_halves_micro_batch_and_matches_run_that_started_there(tmp_path, pro
     def before_step(step, engine):
         if step == 0:
             first["model"] = weakref.ref(engine.module())
-        if step == 4:  # after the first move: a replaced engine (DeepSpeed) must be gone, not held in memory
+        if step == 2 and "freed" not in first and engine.module() is not first["model"]():
+            # the retry right after a rebuild (DeepSpeed): the replaced engine is gone, not held in memory
             gc.collect()
-            first["freed"] = engine.module() is first["model"]() or first["model"]() is None
+            first["freed"] = first["model"]() is None
         inject.before_step(step, engine)
 
     s, rows = run_inprocess(tmp_path, *base, "run_name=oom", hooks=Hooks(before_step=before_step))
-    assert first["freed"]
+    assert first.get("freed", True)  # AMP resets in place: same model
     assert s["status"] == "completed" and s["steps"] == 10
     assert [r["micro_batch"] for r in rows] == [4, 4, 2, 2, 2, 1, 1, 1, 1, 1]
     assert (s["micro_batch"], s["accumulation"], s["global_batch_size"]) == (1, 8, 8)
@@ -185,6 +186,20 @@ def test_oom_halves_micro_batch_and_matches_run_that_started_there(tmp_path, pro
     ref, ref_rows = run_inprocess(tmp_path, *base[:1], "train.micro_batch_size=1", *base[2:], "run_name=ref")
     mx, _ = compare(losses(rows), losses(ref_rows), f"{profile} OOM ladder vs micro-batch 1 from the start")
     assert mx < 1e-5
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_oom_ladder_on_zero3_carries_the_partitioned_state(tmp_path):
+    """ZeRO-3 keeps Adam's state per fp32 partition (its param groups are empty between steps): a rebuilt
+    ZeRO-3 engine gets it back, so an OOM at step 3 follows a run at the smaller micro-batch from the start."""
+    base = ["profile=zero3-bf16-offload-all", "train.micro_batch_size=4", "train.global_batch_size=8",
+            "train.max_steps=6", "train.warmup_steps=2"]
+    s, rows = run_inprocess(tmp_path, *base, "run_name=oom", hooks=oom_hook([2]))
+    assert s["status"] == "completed" and [r["micro_batch"] for r in rows] == [4, 4, 2, 2, 2, 2]
+    ref, ref_rows = run_inprocess(tmp_path, base[0], "train.micro_batch_size=2", *base[2:], "run_name=ref")
+    mx, _ = compare(losses(rows), losses(ref_rows), "zero3 bf16 OOM ladder vs micro-batch 2 from the start")
+    assert mx < 1e-3  # bf16, micro-batch 4 x 2 vs 2 x 4: 1.0e-4 measured
 
 
 @needs_deepspeed

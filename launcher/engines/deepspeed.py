@@ -97,6 +97,7 @@ class DeepSpeedEngine:
         ladder rebuilds a DeepSpeed engine from :meth:`portable_state` instead (``resets_in_place``)."""
         self.engine.zero_grad()
         self._micro = 0
+
     def close(self) -> None:
         """Release what DeepSpeed keeps beyond this object (hooks, optimizer buffers), so that the memory of
         an engine being replaced (OOM ladder) is free before the next one is built."""
@@ -129,9 +130,9 @@ class DeepSpeedEngine:
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
         moments = any("exp_avg" in v for v in state.values())
-        if moments:
+        if moments:  # else DeepSpeed creates and links the state at the first step, as usual
             _materialize_adam_state(self.optimizer)
-        _link_optimizer_state(self.optimizer)
+            _link_optimizer_state(self.optimizer)
         for name, p in self.engine.module.named_parameters():
             if name in state:
                 safe_set_full_fp32_param(p, state[name]["param"])
@@ -179,10 +180,13 @@ def _materialize_adam_state(zero_optimizer) -> None:
     """Create Adam's state (zero moments) for every fp32 partition of a fresh engine, as its first step
     would: DeepSpeed creates optimizer state lazily, and a state that does not exist cannot be set."""
     inner = getattr(zero_optimizer, "optimizer", zero_optimizer)
-    for group in inner.param_groups:
-        for p in group["params"]:
-            if len(inner.state[p]) == 0:
-                inner.state[p] = {"step": 0, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    # ZeRO-3 empties the inner optimizer's param groups between steps (it puts one fp32 partition in for
+    # each sub-group's step); its state is keyed by those partitions. ZeRO-1/2 keep theirs in the groups.
+    flat = getattr(zero_optimizer, "fp32_partitioned_groups_flat", None)
+    tensors = list(flat) if flat is not None else [p for g in inner.param_groups for p in g["params"]]
+    for p in tensors:
+        if len(inner.state.get(p, {})) == 0:
+            inner.state[p] = {"step": 0, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
 
 def _link_optimizer_state(zero_optimizer) -> None:
