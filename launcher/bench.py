@@ -26,7 +26,6 @@ Writes ``OUT/results.json`` (``{"results": [...], "hardware": {...}}``), ``OUT/r
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import os
@@ -35,10 +34,11 @@ import sys
 import time
 
 from launcher.config import AUTO, Config, ConfigError, load_config, load_raw
+from launcher.hardware import GiB
+from launcher.monitor import read_csv
 from launcher.presets import PRESETS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GiB = 1024**3
 # keys the benchmark sets on every run; a user's value for them would be overridden, so say so up front
 OWN_KEYS = ("profile", "engine", "precision", "run_name", "output_dir", "train.max_steps", "checkpoint.resume",
             "checkpoint.save", "train.oom_fallback")
@@ -132,16 +132,12 @@ def timing(rows: list[dict], warmup: int) -> dict:
 
 def timeline_peaks(path: str) -> dict:
     """Peaks of memory.csv: process-tree RSS and the whole device's used memory."""
-    out = {"peak_cpu_tree_rss_bytes": None, "peak_gpu_device_used_bytes": None}
-    if not os.path.exists(path):
-        return out
-    with open(path, newline="") as fh:
-        for row in csv.DictReader(fh):
-            for col, key in (("cpu_tree_rss_bytes", "peak_cpu_tree_rss_bytes"),
-                             ("gpu_device_used_bytes", "peak_gpu_device_used_bytes")):
-                v = row.get(col)
-                if v:
-                    out[key] = max(out[key] or 0, int(float(v)))
+    cols = read_csv(path) if os.path.exists(path) else {}
+    out = {}
+    for col, key in (("cpu_tree_rss_bytes", "peak_cpu_tree_rss_bytes"),
+                     ("gpu_device_used_bytes", "peak_gpu_device_used_bytes")):
+        seen = [v for v in cols.get(col, []) if v]
+        out[key] = int(max(seen)) if seen else None
     return out
 
 

@@ -14,6 +14,7 @@ import resource
 import shutil
 from dataclasses import asdict, dataclass, field
 
+MiB = 1024**2
 GiB = 1024**3
 
 

@@ -41,8 +41,8 @@ import weakref
 import psutil
 import torch
 
-MiB = 1024**2
-GiB = 1024**3
+from launcher.hardware import GiB, MiB
+
 PHASES = ("forward", "backward", "step")  # GPU peaks: the model hooks split forward from backward
 RSS_PHASES = ("forward_backward", "step")  # RSS peaks: split at the optimizer step only (see the docstring)
 CSV_COLUMNS = ("time_s", "step", "phase", "gpu_allocated_bytes", "gpu_reserved_bytes", "gpu_device_used_bytes",
