@@ -139,6 +139,23 @@ def quantize_in_place(model: torch.nn.Module, kind: str, precision: str, device:
     return count
 
 
+def keep_4bit_weights_trainable(model: torch.nn.Module) -> int:
+    """Turn off bitsandbytes' CPU inference layout for every 4-bit layer; returns how many layers.
+
+    On CPUs with AVX512-BF16, bitsandbytes repacks a Linear4bit's weight for a fused bf16 kernel at its
+    first forward in eval mode without gradients (our eval loss and the sample after training). The
+    repacked layer is not differentiable: training after an eval silently stops gradients at every
+    4-bit layer (tested with bitsandbytes 0.50). The repacking also needs in_features in whole 64-weight
+    blocks, or it raises. vramfit trains, so it keeps the plain layout everywhere: results then do not
+    depend on which CPU runs them (the eval and the sample are a few forwards)."""
+    n = 0
+    for m in model.modules():
+        if hasattr(m, "support_avx512bf16_for_cpu"):
+            m.support_avx512bf16_for_cpu = False
+            n += 1
+    return n
+
+
 def describe_quantization(model: torch.nn.Module) -> str:
     """'12 Linear4bit layers (Params4bit, uint8 storage)' and the like, for the log."""
     kinds: dict[str, int] = {}

@@ -123,9 +123,10 @@ def build_model(cfg: Config, dtype: torch.dtype = torch.float32, hf_config=None,
             trust_remote_code=cfg.model.trust_remote_code, **kw)
     model.config.use_cache = False
     if quant != "none":
-        from launcher.lora import describe_quantization
+        from launcher.lora import describe_quantization, keep_4bit_weights_trainable
         from launcher.train import log
 
+        keep_4bit_weights_trainable(model)
         log(f"model.quantize={quant}: {describe_quantization(model)}")
     if cfg.model.gradient_checkpointing:
         enable_checkpointing(model)

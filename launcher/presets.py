@@ -6,9 +6,10 @@
 
 from __future__ import annotations
 
-# name -> LlamaConfig keyword arguments
+# name -> LlamaConfig keyword arguments. Every linear dimension is a whole number of 64-weight blocks, as
+# bitsandbytes' 4-bit CPU kernels want (model.quantize=4bit on a preset).
 PRESETS: dict[str, dict] = {
-    "tiny": dict(vocab_size=256, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
+    "tiny": dict(vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024),
     "llama-125m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                        num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=4096),

@@ -433,13 +433,10 @@ def _train(cfg: Config, hooks: Hooks | None, hw: Hardware | None) -> dict:
     elapsed = time.perf_counter() - t_start
     # ---- outputs
     eval_loss = evaluate(engine, eval_data, rung.micro_batch, dist) if eval_data is not None else None
-    sample = None
-    if status == "completed":
-        if cfg.checkpoint.save:
-            engine.save_final(rd.file("final"))
-            if tokenizer is not None and dist.is_main:
-                tokenizer.save_pretrained(rd.file("final"))
-        sample = generate.run_sample(engine, sample_prompt, cfg, tokenizer, res.precision, rd.path, dist.is_main, log)
+    if status == "completed" and cfg.checkpoint.save:
+        engine.save_final(rd.file("final"))
+        if tokenizer is not None and dist.is_main:
+            tokenizer.save_pretrained(rd.file("final"))
     if diagnosis:
         log(f"stopped: {diagnosis}")
     measured = [m["tokens_per_s"] for m in rd.metrics()[1:]] if dist.is_main else []
@@ -458,10 +455,21 @@ def _train(cfg: Config, hooks: Hooks | None, hw: Hardware | None) -> dict:
         "gradient_checkpointing": rung.checkpointing, "world_size": dist.world,
         "global_batch_size": cfg.train.global_batch_size, "seq_len": seq_len, "elapsed_s": elapsed,
         "checkpoint": last_ckpt, "reasons": res.reasons, "diagnosis": diagnosis, "run_dir": rd.path,
-        "sample": sample, **mon.summary(),
+        "sample": None, "sample_error": None, **mon.summary(),
     }
+    # The run is finished and recorded (summary, final/, last checkpoint) before the sample, which is a
+    # courtesy: a sample that fails is a warning in the summary, never a failed run.
     rd.write_json("summary.json", summary)
     mon.plot(rd.file("memory.png"), summary["predicted_gpu_bytes"], summary["predicted_cpu_bytes"], rd.path)
+    if status == "completed" and sample_prompt:
+        try:
+            summary["sample"] = generate.run_sample(engine, sample_prompt, cfg, tokenizer, res.precision, rd.path,
+                                                    dist.is_main, log)
+        except Exception as e:  # noqa: BLE001 -- anything the sample raises; the trained weights are saved
+            summary["sample_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            log(f"warning: the sample after training failed ({summary['sample_error']}); the run itself completed "
+                "and its weights are in final/")
+        rd.write_json("summary.json", summary)
     _print_summary(summary)
     engine.close()  # a DeepSpeed engine would otherwise stay in memory after the run (in-process callers)
     return summary

@@ -77,7 +77,8 @@ def main() -> int:
     tok.train_from_iterator(corpus(args.data), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE
-    config = LlamaConfig(vocab_size=len(fast), hidden_size=128, intermediate_size=352, num_hidden_layers=4,
+    # Every linear dimension in whole 64-weight blocks, as bitsandbytes' 4-bit CPU kernels want (QLoRA).
+    config = LlamaConfig(vocab_size=len(fast), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
                          eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id, bos_token_id=None,
                          tie_word_embeddings=False)

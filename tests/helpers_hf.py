@@ -45,7 +45,8 @@ def make_model_dir(out_dir: str, *, pad: bool = True, chat_template: bool = True
 
     os.makedirs(out_dir, exist_ok=True)
     tok = make_tokenizer(out_dir, pad=pad, chat_template=chat_template)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden + 32,
+    # intermediate in whole 64-weight blocks, as bitsandbytes' 4-bit CPU layouts want (QLoRA tests)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=3 * hidden,
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=max_positions, bos_token_id=tok.bos_token_id,
                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False)

@@ -138,12 +138,25 @@ def test_lora_zero3_offload_saves_the_gathered_adapter(hf, tmp_path):
     reload_adapter(hf[0], final)
 
 
-def test_qlora_4bit(hf, tmp_path):
+@pytest.fixture(params=[True, False], ids=["avx512bf16-cpu", "plain-cpu"])
+def bnb_cpu_kind(request, monkeypatch):
+    """Build bitsandbytes' 4-bit layers as on a CPU with AVX512-BF16 (where bitsandbytes repacks a layer for
+    its fused kernel at the first eval forward) or without, whatever CPU runs the test."""
+    import bitsandbytes.nn.modules as bnb_modules
+
+    monkeypatch.setattr(bnb_modules, "has_avx512bf16", lambda: request.param)
+    return request.param
+
+
+def test_qlora_4bit(hf, tmp_path, bnb_cpu_kind):
     """QLoRA: NF4 base (Params4bit, uint8 storage) that stays unchanged, fp32 adapters that train. engine=auto
-    picks AMP and says why."""
+    picks AMP and says why. Evals in the middle of the run and the sample at the end run in eval mode without
+    gradients, where bitsandbytes on an AVX512-BF16 CPU would repack the weights into a layout that has no
+    backward; vramfit keeps the plain layout, so both kinds of CPU give the same losses."""
     cap = Capture()
-    s, rows = run_inprocess(tmp_path, *lora_args(hf, "model.quantize=4bit", "run_name=q4", steps=10),
-                            hooks=cap.hooks(), fast=False)
+    s, rows = run_inprocess(tmp_path, *lora_args(hf, "model.quantize=4bit", "run_name=q4", "data.eval_fraction=0.2",
+                                                 "train.eval_every=3", steps=10), hooks=cap.hooks(), fast=False)
+    assert s["status"] == "completed" and s["sample"] is not None and s["sample_error"] is None
     assert s["engine"] == "amp" and any("AMP path only" in r for r in s["reasons"]), s["reasons"]
     falls(rows, by=0.2)
     import bitsandbytes as bnb
@@ -152,11 +165,70 @@ def test_qlora_4bit(hf, tmp_path):
     q4 = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert len(q4) == 14 and all(isinstance(m.weight, bnb.nn.Params4bit) and m.weight.dtype == torch.uint8
                                  and m.weight.quant_type == "nf4" for m in q4)
+    assert not any(m.support_avx512bf16_for_cpu for m in q4)
+    assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in q4)
     check_base_frozen(cap)
     adapters = [p for n, p in model.named_parameters() if p.requires_grad]
     assert adapters and all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
     assert all(p.dtype == torch.float32 for p in adapters)
     reload_adapter(hf[0], os.path.join(s["run_dir"], "final"))
+    QLORA_LOSSES[bnb_cpu_kind] = losses(rows)
+    if len(QLORA_LOSSES) == 2:  # the second kind of CPU: the same run, step for step
+        assert QLORA_LOSSES[True] == QLORA_LOSSES[False]
+
+
+QLORA_LOSSES: dict = {}
+
+
+def test_4bit_cpu_packed_layout_fits_the_test_models(hf):
+    """bitsandbytes' AVX512-BF16 path repacks a 4-bit weight (pure torch, so it runs on any CPU): the test
+    model's and the stand-in's layers have the shapes it needs (whole 64-weight blocks), and the round trip
+    gives the weight back bit for bit. Where the CPU has AVX512-BF16, the packed forward itself runs too and
+    agrees with the plain one within bf16 rounding."""
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as F
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from launcher.lora import quantize_in_place
+    from launcher.presets import PRESETS
+
+    models = [AutoModelForCausalLM.from_pretrained(hf[0]),
+              AutoModelForCausalLM.from_config(LlamaConfig(**PRESETS["tiny"]))]
+    for model in models:
+        assert quantize_in_place(model, "4bit", "fp32", torch.device("cpu")) > 0
+        for m in model.modules():
+            if not isinstance(m, bnb.nn.Linear4bit):
+                continue
+            x = torch.randn(2, 3, m.in_features)
+            plain = m(x).detach()
+            data, state = m.weight.data.clone(), m.weight.quant_state
+            packed, state = F._convert_weight_packed_for_cpu(data, state)
+            if F.has_avx512bf16():
+                m.weight.data, m.weight.quant_state = packed, state
+                with torch.no_grad():
+                    torch.testing.assert_close(m.eval()(x), plain, atol=0.05, rtol=0.05)
+                packed = m.weight.data
+            back, _ = F._convert_weight_packed_for_cpu_inverse(packed, state)
+            assert torch.equal(back, data), f"{type(model).__name__}: the packed layout does not round-trip"
+
+
+def test_a_failing_sample_does_not_fail_the_run(hf, tmp_path, monkeypatch):
+    """The sample after training is a courtesy: when it raises, the run is still completed, with final/, the
+    last checkpoint and summary.json, and the summary says what went wrong."""
+    from launcher import generate
+
+    def boom(*a, **k):
+        raise RuntimeError("shape '[64, 2]' is invalid for input of size 160")
+
+    monkeypatch.setattr(generate, "greedy", boom)
+    s, _ = run_inprocess(tmp_path, *lora_args(hf, "run_name=sample-fails", steps=2), fast=False)
+    assert s["status"] == "completed" and s["sample"] is None
+    assert s["sample_error"] == "RuntimeError: shape '[64, 2]' is invalid for input of size 160"
+    assert os.path.isfile(os.path.join(s["run_dir"], "final", "adapter_model.safetensors")) and s["checkpoint"]
+    import json
+
+    on_disk = json.load(open(os.path.join(s["run_dir"], "summary.json")))
+    assert on_disk["status"] == "completed" and on_disk["sample_error"] == s["sample_error"]
 
 
 def test_adamw8bit_states_are_uint8(hf, tmp_path):
