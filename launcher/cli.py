@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 
 from launcher.config import ConfigError
@@ -43,19 +45,38 @@ def strip_local_rank(argv: list[str]) -> list[str]:
     return out
 
 
+@contextlib.contextmanager
+def stdout_for_json(enabled: bool):
+    """While a ``--json`` command works, everything written to stdout (file descriptor 1: DeepSpeed's
+    logger, a JIT compiler, a library's print) goes to stderr; the JSON is written to the real stdout
+    through the returned stream. Without ``--json``, plain sys.stdout."""
+    if not enabled:
+        yield sys.stdout
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with os.fdopen(os.dup(saved), "w") as real:
+            yield real
+            real.flush()
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def cmd_doctor(args) -> int:
     from launcher.hardware import format_report, probe
 
-    hw = probe(with_cpu_adam=True)
-    if args.build_ops:
-        from launcher.hardware import build_ops
-
-        print(build_ops())
+    with stdout_for_json(args.json) as out:
         hw = probe(with_cpu_adam=True)
-    if args.json:
-        print(json.dumps(hw.to_dict(), indent=2))
-    else:
-        print(format_report(hw))
+        if args.build_ops:
+            from launcher.hardware import build_ops
+
+            print(build_ops())
+            hw = probe(with_cpu_adam=True)
+        print(json.dumps(hw.to_dict(), indent=2) if args.json else format_report(hw), file=out)
     return 0
 
 
@@ -82,9 +103,10 @@ def cmd_plan(args) -> int:
     from launcher.hardware import probe
 
     path, overrides = _split_config(args.config)
-    cfg = load_config(path, overrides)
-    plan = planner.plan(cfg, probe())
-    print(json.dumps(plan.to_json(), indent=2) if args.json else planner.format_table(plan))
+    with stdout_for_json(args.json) as out:
+        cfg = load_config(path, overrides)
+        plan = planner.plan(cfg, probe())
+        print(json.dumps(plan.to_json(), indent=2) if args.json else planner.format_table(plan), file=out)
     return 0 if plan.chosen else 2
 
 
@@ -180,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except ConfigError as e:
-        print(f"vramfit: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every rank finds the same problems: one copy is enough
+            print(f"vramfit: {e}", file=sys.stderr)
         return 2
 
 

@@ -29,9 +29,10 @@ class ConfigError(ValueError):
         super().__init__("\n".join([head] + [f"  - {p}" for p in self.problems]))
 
 
-def _f(default, help: str, choices=None, min=None, max=None, auto: bool = False, **kw):
-    """A schema field: default, one-line help, allowed values, bounds, and whether 'auto' is allowed."""
-    meta = {"help": help, "choices": choices, "min": min, "max": max, "auto": auto}
+def _f(default, help: str, choices=None, min=None, max=None, auto: bool = False, number=None, **kw):
+    """A schema field: default, one-line help, allowed values, bounds, whether 'auto' is allowed, and for
+    'auto' fields the number type (int or float) of the other values."""
+    meta = {"help": help, "choices": choices, "min": min, "max": max, "auto": auto, "number": number}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta, **kw)
     return field(default=default, metadata=meta, **kw)
@@ -83,7 +84,8 @@ class TrainConfig:
     global_batch_size: int = _f(16, "Samples per optimizer step over all ranks = micro x accumulation x world.", min=1)
     lr: float = _f(3e-3, "Peak learning rate.", min=0.0)
     min_lr_ratio: float = _f(0.1, "Cosine schedule ends at lr x this.", min=0.0, max=1.0)
-    warmup_steps: int = _f(20, "Linear warmup steps before the cosine decay.", min=0)
+    warmup_steps: Any = _f(AUTO, "Linear warmup steps before the cosine decay; auto = 10% of train.max_steps.", min=0,
+                           auto=True, number=int)
     weight_decay: float = _f(0.0, "AdamW weight decay, applied to matrices only (not norms and biases).", min=0.0)
     beta1: float = _f(0.9, "AdamW beta1.", min=0.0, max=1.0)
     beta2: float = _f(0.95, "AdamW beta2.", min=0.0, max=1.0)
@@ -174,7 +176,7 @@ def _coerce(key: str, value: Any, f: dataclasses.Field, problems: list[str]):
         return AUTO
     want = typ
     if typ is Any:  # 'auto' or a number
-        want = int if isinstance(f.default, int) else float
+        want = meta.get("number") or (int if isinstance(f.default, int) else float)
     ok, out = True, value
     if want is bool:
         if isinstance(value, bool):
@@ -367,11 +369,18 @@ def check(cfg: Config, world: int | None = None) -> list[str]:
     return problems
 
 
+def auto_warmup_steps(max_steps: int) -> int:
+    """``train.warmup_steps=auto``: 10% of the run (20 of the default 200 steps)."""
+    return max_steps // 10
+
+
 def load_config(path: str | None = None, overrides: list[str] | None = None, world: int | None = None) -> Config:
     """YAML file + overrides -> validated :class:`Config`. Raises one ConfigError listing every problem."""
     raw = load_raw(path, overrides)
     problems: list[str] = []
     cfg = _build(Config, raw, "", problems)
+    if cfg.train.warmup_steps == AUTO:  # follows the run's length, so a short smoke run works with the defaults
+        cfg.train.warmup_steps = auto_warmup_steps(cfg.train.max_steps)
     if not problems:
         problems += check(cfg, world)
     if problems:

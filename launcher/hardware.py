@@ -12,6 +12,7 @@ import os
 import platform
 import resource
 import shutil
+import sys
 from dataclasses import asdict, dataclass, field
 
 MiB = 1024**2
@@ -77,22 +78,41 @@ def _version(mod: str) -> str | None:
 
 
 def deepspeed_status() -> tuple[str | None, str | None]:
-    """(version, error): DeepSpeed is usable when it imports; the error says why not."""
+    """(version, error): DeepSpeed is usable when it imports; the error says why not, as a phrase that
+    follows "DeepSpeed" ("is not installed ...", "failed to import: ...").
+
+    A DeepSpeed that is installed but does not import (a wheel built for another CUDA, say) is made
+    absent for the whole process: transformers and accelerate ask ``find_spec("deepspeed")`` and import it
+    whenever it is found (``save_pretrained`` unwraps models through accelerate), so a broken one on the
+    path would crash them long after vramfit decided to train without it."""
     if os.environ.get("VRAMFIT_DISABLE_DEEPSPEED"):
-        return None, "disabled by VRAMFIT_DISABLE_DEEPSPEED"
+        hide_module("deepspeed")
+        return None, "is disabled by VRAMFIT_DISABLE_DEEPSPEED"
     if importlib.util.find_spec("deepspeed") is None:
-        return None, "not installed (pip install 'vramfit[deepspeed]')"
+        return None, "is not installed (pip install 'vramfit[deepspeed]')"
     try:
         import deepspeed  # noqa: F401
 
         return deepspeed.__version__, None
     except Exception as e:  # a broken install raises all sorts of things
-        return None, f"import failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        hide_module("deepspeed")
+        return None, (f"failed to import ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}), so it is "
+                      "treated as not installed; fix the install (e.g. a DeepSpeed built for this torch and CUDA) "
+                      "or pip uninstall deepspeed")
 
 
-def cpu_adam_status() -> str:
+def hide_module(name: str) -> None:
+    """Make ``name`` unimportable in this process: ``import name`` raises ModuleNotFoundError and
+    ``importlib.util.find_spec(name)`` returns None (a None entry in sys.modules means both). Submodules
+    left behind by a failed import go too."""
+    for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+        del sys.modules[key]
+    sys.modules[name] = None  # type: ignore[assignment]
+
+
+def cpu_adam_status(deepspeed_error: str | None) -> str:
     """Whether DeepSpeed's CPU Adam op is built already or can be JIT-built (compiler + ninja)."""
-    ver, err = deepspeed_status()
+    err = deepspeed_error
     if err:
         return f"unavailable: deepspeed {err}"
     try:
@@ -140,7 +160,7 @@ def probe(with_cpu_adam: bool = False) -> Hardware:
             cap = (props.major, props.minor)
             hw.gpus.append(GPUInfo(i, props.name, int(total), int(free), cap, fp16=cap[0] >= 6, bf16=supports_bf16(cap)))
     hw.deepspeed, hw.deepspeed_error = deepspeed_status()
-    hw.cpu_adam = cpu_adam_status() if with_cpu_adam else "not checked"
+    hw.cpu_adam = cpu_adam_status(hw.deepspeed_error) if with_cpu_adam else "not checked"
     hw.stale_op_locks = stale_op_locks() if with_cpu_adam else []
     hw.transformers, hw.peft, hw.bitsandbytes = _version("transformers"), _version("peft"), _version("bitsandbytes")
     return hw
@@ -177,7 +197,8 @@ def format_report(hw: Hardware) -> str:
                  f"/dev/shm free: {gb(hw.shm_free_bytes)}; CPUs: {hw.cpu_count}")
     lines.append(f"python {hw.python}, torch {hw.torch}, CUDA {hw.cuda or 'none'}, "
                  f"transformers {hw.transformers}, peft {hw.peft}, bitsandbytes {hw.bitsandbytes or 'not installed'}")
-    lines.append(f"deepspeed: {hw.deepspeed or hw.deepspeed_error}; CPU Adam op: {hw.cpu_adam}")
+    lines.append(f"deepspeed: {hw.deepspeed or 'not usable: DeepSpeed ' + str(hw.deepspeed_error)}; "
+                 f"CPU Adam op: {hw.cpu_adam}")
     for path in hw.stale_op_locks:
         lines.append(f"stale op build lock (a killed run left it; runs would wait on it): {path} -- "
                      "training removes it, or delete it yourself")

@@ -399,7 +399,7 @@ def _not_available(p: Profile, run: _Run, cfg: Config, engines: set[str], hw: Ha
         return "train.optimizer=adamw8bit (bitsandbytes) runs on the AMP path only"
     if p.engine not in engines:
         if p.engine == "deepspeed" and not hw.deepspeed:
-            return f"DeepSpeed is not usable here ({hw.deepspeed_error or 'not installed'})"
+            return f"DeepSpeed {hw.deepspeed_error or 'is not installed'}"
         return f"the {p.engine} engine is not available here"
     return None
 

@@ -67,7 +67,7 @@ def engine_problems(p: Profile, cfg: Config, hw: Hardware, device: torch.device)
     """Why profile ``p`` cannot run here (None when it can)."""
     if p.engine == "deepspeed":
         if hw.deepspeed is None:
-            return f"DeepSpeed is {hw.deepspeed_error}"
+            return f"DeepSpeed {hw.deepspeed_error}"
         if device.type == "cpu" and p.precision == "fp16":
             return "DeepSpeed refuses fp16 on the CPU"
         if cfg.model.quantize != "none":
@@ -100,6 +100,9 @@ def candidate_order(cfg: Config, hw: Hardware, precision: str, device: torch.dev
     pool = [p for p in PROFILES.values() if p.precision == precision]
     if cfg.engine != AUTO:
         pool = [p for p in pool if p.engine == cfg.engine]
+        if not pool:
+            have = [p.name for p in PROFILES.values() if p.engine == cfg.engine]
+            dropped.append(f"engine {cfg.engine} has no {precision} profile (its profiles: {', '.join(have)})")
     ok = []
     for p in pool:
         why = engine_problems(p, cfg, hw, device)
@@ -145,8 +148,10 @@ def resolve(cfg: Config, hw: Hardware, world: int = 1) -> Resolved:
     else:
         order, dropped = candidate_order(cfg, hw, precision, device)
         if not order:
+            other = sorted({p.precision for p in PROFILES.values() if p.engine == cfg.engine} - {precision})
+            fix = "engine=auto" + (f", or precision={other[0]}" if other and cfg.precision != AUTO else "")
             raise ConfigError([f"engine: got {cfg.engine!r} with precision {precision}; rule: the engine must be able "
-                               f"to run here, but: {'; '.join(dropped)}; fix: engine=auto"])
+                               f"to run here, but: {'; '.join(dropped)}; fix: {fix}"])
         chosen, plan, why_profile = _choose(cfg, hw, order, device)
         if chosen is None:
             tips = "; ".join(getattr(plan, "suggestions", []) or []) or "a smaller model or more memory"

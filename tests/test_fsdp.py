@@ -272,7 +272,7 @@ def test_auto_picks_fsdp_when_deepspeed_missing_and_offload_needed():
     hw.deepspeed, hw.deepspeed_error = "0.19.8", None
     with_ds = resolve(cfg(), hw)
     assert with_ds.profile.name == "zero2-bf16-offload-opt", with_ds.reasons
-    hw.deepspeed, hw.deepspeed_error = None, "not installed (pip install 'vramfit[deepspeed]')"
+    hw.deepspeed, hw.deepspeed_error = None, "is not installed (pip install 'vramfit[deepspeed]')"
     res = resolve(cfg(), hw)
     assert res.profile.name == "fsdp-bf16-offload", res.reasons
     text = " | ".join(res.reasons)
