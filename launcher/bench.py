@@ -33,10 +33,14 @@ import subprocess
 import sys
 import time
 
-from launcher.config import AUTO, Config, ConfigError, load_config, load_raw
-from launcher.hardware import GiB
+from launcher import availability, planner
+from launcher.config import AUTO, Config, ConfigError, load_config
+from launcher.hardware import probe
+from launcher.log import GiB
 from launcher.monitor import read_csv
+from launcher.plots import plot_bench
 from launcher.presets import PRESETS
+from launcher.profiles import PROFILES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # keys the benchmark sets on every run; a user's value for them would be overridden, so say so up front
@@ -72,12 +76,8 @@ def hardware_record(hw) -> dict:
 
 def default_profiles(cfg: Config, hw) -> tuple[list[str], str, str]:
     """Every profile that can run here for the resolved precision (fastest family first), the precision, the device."""
-    from launcher.resolve import candidate_order, resolve_device, resolve_precision
-
-    device = resolve_device(cfg, hw)
-    precision, _ = resolve_precision(cfg, hw, device)
-    order, _dropped = candidate_order(cfg, hw, precision, device, allow_offload=True)
-    return [p.name for p in order], precision, device.type
+    avail = availability.assess(cfg, hw)
+    return [p.name for p in avail.usable(allow_offload=True)], avail.precision, avail.device.type
 
 
 def _flat(raw: dict, prefix: str = "") -> dict:
@@ -158,11 +158,9 @@ def classify_failure(returncode: int, stderr: str, timed_out: bool) -> tuple[str
 
 def predict(path: str | None, overrides: list[str], profile: str, hw) -> dict:
     """The planner's peaks for these settings and profile, and whether they fit the budgets."""
-    from launcher import planner
-
     try:
         cfg = load_config(path, [*overrides, f"profile={profile}"])
-        plan = planner.plan(cfg, hw, profiles=[profile], suggest=False)
+        plan = planner.plan(cfg, hw, profiles=[profile])
         row = plan.get(profile)
         return {"predicted_gpu_bytes": row.gpu_bytes if row.gpu_bytes else None, "predicted_cpu_bytes": row.cpu_bytes,
                 "planned_fits": bool(row.fits), "planned_micro_batch": row.micro_batch,
@@ -381,45 +379,6 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(doc: dict, path: str) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    rs = doc["results"]
-    names = [r["profile"] for r in rs]
-    x = list(range(len(rs)))
-    fig = Figure(figsize=(max(6, 1.6 * len(rs) + 2), 6.5), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax1, ax2 = fig.subplots(2, 1, sharex=True)
-    speeds = [r.get("tokens_per_s") or 0 for r in rs]
-    bars = ax1.bar(x, speeds, color=["tab:blue" if r.get("status") == STATUS_OK else "lightgray" for r in rs])
-    for b, r in zip(bars, rs):
-        label = (f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") else r.get("status", ""))
-        if doc["settings"].get("find") and r.get("status") == STATUS_OK:
-            key = "best_micro_batch" if doc["settings"]["find"] == "micro-batch" else "best_model"
-            label += f"\n{'mb ' if key == 'best_micro_batch' else ''}{r.get(key)}"
-        ax1.annotate(label, (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
-    ax1.set_ylabel("tokens/s (after warm-up)")
-    ax1.set_title("speed" + (f" at the largest {doc['settings']['find']} that fits" if doc["settings"].get("find") else ""))
-    ax1.set_ylim(0, max(speeds + [1]) * 1.25)
-    series = [("peak_gpu_bytes", "GPU peak", "tab:red"), ("predicted_gpu_bytes", "GPU planned", "mistyrose"),
-              ("peak_cpu_rss_bytes", "CPU RSS peak", "tab:green"), ("predicted_cpu_bytes", "CPU planned", "honeydew")]
-    present = [(key, label, color, [(r.get(key) or 0) / GiB for r in rs]) for key, label, color in series]
-    present = [p for p in present if any(p[3])]
-    w = 0.8 / max(1, len(present))
-    for k, (key, label, color, vals) in enumerate(present):
-        ax2.bar([i + (k - (len(present) - 1) / 2) * w for i in x], vals, w, label=label, color=color,
-                edgecolor="gray", lw=0.5)
-    ax2.set_ylabel("GiB")
-    ax2.set_title("memory: measured peak and the planner's prediction")
-    ax2.legend(fontsize=8)
-    ax2.set_xticks(x)
-    ax2.set_xticklabels(names, rotation=20, ha="right", fontsize=8)
-    tmp = f"{path}.tmp-{os.getpid()}.png"
-    fig.savefig(tmp, dpi=100)
-    os.replace(tmp, path)
-
-
 def write_outputs(doc: dict, out: str, with_png: bool = True) -> None:
     add_ratios(doc["results"])
     tmp = os.path.join(out, f"results.json.tmp-{os.getpid()}")
@@ -429,7 +388,7 @@ def write_outputs(doc: dict, out: str, with_png: bool = True) -> None:
     with open(os.path.join(out, "results.md"), "w") as fh:
         fh.write(markdown(doc))
     if with_png and doc["results"]:
-        plot(doc, os.path.join(out, "results.png"))
+        plot_bench(doc, os.path.join(out, "results.png"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -439,9 +398,6 @@ def write_outputs(doc: dict, out: str, with_png: bool = True) -> None:
 def main(path: str | None, overrides: list[str], profiles: str | None = None, out: str = "bench-out", steps: int = 10,
          warmup: int = 3, find: str | None = None, timeout: float = 1800.0, candidates: str | None = None) -> int:
     """Exit 0 when at least one profile ran (or fit), 1 when none did; ConfigError (exit 2) for bad input."""
-    from launcher.hardware import probe
-    from launcher.profiles import PROFILES
-
     problems = []
     if steps < 1:
         problems.append(f"--steps: got {steps}; rule: at least 1 timed step; fix: --steps 10")

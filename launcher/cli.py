@@ -1,4 +1,7 @@
-"""Command line: ``vramfit doctor | plan | profiles | train | bench | export | config-reference``."""
+"""Command line: ``vramfit doctor | plan | profiles | train | bench | export | plot | config-reference``.
+
+Commands only: each parses its arguments, calls the module that does the work and prints the result.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import json
 import os
 import sys
 
+from launcher import dist, log
 from launcher.config import ConfigError
 
 EPILOG = """config: an optional YAML file, then key=value overrides, e.g.
@@ -26,8 +30,6 @@ def _split_config(items: list[str]) -> tuple[str | None, list[str]]:
 
 def strip_local_rank(argv: list[str]) -> list[str]:
     """Drop the ``--local_rank=N`` / ``--local_rank N`` that the DeepSpeed launcher appends (it also sets LOCAL_RANK)."""
-    import os
-
     out, skip = [], False
     for i, a in enumerate(argv):
         if skip:
@@ -98,21 +100,24 @@ def cmd_profiles(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from launcher import planner
+    from launcher import advice, planner, report
     from launcher.config import load_config
     from launcher.hardware import probe
 
     path, overrides = _split_config(args.config)
     with stdout_for_json(args.json) as out:
         cfg = load_config(path, overrides)
-        plan = planner.plan(cfg, probe())
-        print(json.dumps(plan.to_json(), indent=2) if args.json else planner.format_table(plan), file=out)
+        hw = probe()
+        world = dist.current().world
+        plan = advice.add_suggestions(planner.plan(cfg, hw, world=world), cfg, hw, world=world)
+        print(json.dumps(plan.to_json(), indent=2) if args.json else report.format_table(plan), file=out)
     return 0 if plan.chosen else 2
 
 
 def cmd_train(args) -> int:
     from launcher.config import load_config
-    from launcher.train import EXIT_FAILED, EXIT_INTERRUPTED, train
+    from launcher.faults import EXIT_FAILED, EXIT_INTERRUPTED
+    from launcher.train import train
 
     path, overrides = _split_config(args.config)
     cfg = load_config(path, overrides)
@@ -132,6 +137,13 @@ def cmd_export(args) -> int:
     from launcher.export import export
 
     print(export(args.run_dir, args.out, merge=args.merge))
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from launcher.plots import plot_run
+
+    print(plot_run(args.run_dir))
     return 0
 
 
@@ -187,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--merge", action="store_true", help="merge the LoRA adapter into the base weights")
     e.set_defaults(fn=cmd_export)
 
+    pl = sub.add_parser("plot", help="redraw a run's memory.png from its memory.csv and metrics")
+    pl.add_argument("run_dir")
+    pl.set_defaults(fn=cmd_plot)
+
     c = sub.add_parser("config-reference", help="print every config key with its default and meaning")
     c.set_defaults(fn=cmd_config_reference)
     return p
@@ -199,10 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\.")
     argv = strip_local_rank(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
+    log.setup(rank=dist.current().rank)
     try:
         return args.fn(args)
     except ConfigError as e:
-        if os.environ.get("RANK", "0") == "0":  # every rank finds the same problems: one copy is enough
+        if dist.current().is_main:  # every rank finds the same problems: one copy is enough
             print(f"vramfit: {e}", file=sys.stderr)
         return 2
 

@@ -12,9 +12,12 @@ import dataclasses
 import difflib
 import os
 from dataclasses import dataclass, field
-from typing import Any, get_args, get_origin
+from typing import Any, get_origin
 
 from omegaconf import OmegaConf
+
+from launcher import dist
+from launcher.profiles import PROFILES
 
 AUTO = "auto"
 
@@ -124,8 +127,10 @@ class CheckpointConfig:
 
 @dataclass
 class LogConfig:
+    level: str = _f("info", "How much vramfit says (on stderr, rank 0): debug, info, warning or error.",
+                    choices=("debug", "info", "warning", "error"))
     every_steps: int = _f(10, "Print a log line every N steps.", min=1)
-    progress: str = _f("auto", "Progress bar: auto (when stdout is a terminal), on, off.", choices=("auto", "on", "off"))
+    progress: str = _f("auto", "Progress bar: auto (when stderr is a terminal), on, off.", choices=("auto", "on", "off"))
     memory_interval_s: float = _f(0.5, "Seconds between memory samples in memory.csv (0 = memory monitor off: no "
                                   "memory.csv/png, per-phase peaks or leak check).", min=0.0)
     leak_steps: int = _f(20, "Warn when memory after each step only grows over this many steps, after as many "
@@ -318,14 +323,10 @@ def load_raw(path: str | None, overrides: list[str] | None = None) -> dict:
     return _merge(raw, parse_overrides(overrides or []))
 
 
-def world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def check(cfg: Config, world: int | None = None) -> list[str]:
     """Cross-field rules. Returns problems (empty when fine)."""
     problems = []
-    world = world or world_size()
+    world = world or dist.current().world
     t = cfg.train
     if t.micro_batch_size != AUTO:
         per_step = t.micro_batch_size * world
@@ -349,8 +350,6 @@ def check(cfg: Config, world: int | None = None) -> list[str]:
         problems.append(f"train.optimizer: got 'adamw8bit' with engine={cfg.engine}; rule: 8-bit AdamW runs on the "
                         "AMP path only; fix: engine=auto or engine=amp, or train.optimizer=adamw")
     if cfg.profile != AUTO:
-        from launcher.profiles import PROFILES  # local: profiles imports nothing from here at import time
-
         if cfg.profile not in PROFILES:
             close = difflib.get_close_matches(cfg.profile, list(PROFILES), n=1)
             problems.append(f"profile: got {cfg.profile!r}; rule: auto or one of {', '.join(PROFILES)}; "

@@ -15,15 +15,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import replace
 
 import torch
 
-from launcher.config import ConfigError
+from launcher.config import ConfigError, load_config
+from launcher.models import build_model, load_tokenizer, model_config, weight_dtype
+from launcher.presets import PRESETS
 
 
 def _run_config(run_dir: str):
-    from launcher.config import load_config
-
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(path):
         raise ConfigError([f"RUN_DIR {run_dir!r}: no config.yaml; rule: a directory that vramfit train made; "
@@ -33,8 +34,6 @@ def _run_config(run_dir: str):
 
 
 def _base_dtype(cfg, summary: dict) -> torch.dtype:
-    from launcher.models import PRESETS, model_config, weight_dtype
-
     if cfg.model.name in PRESETS:  # rebuilt from the seed in the dtype the run built it in
         return weight_dtype(cfg, summary.get("engine", "amp"), summary.get("precision", "fp32"))
     dt = getattr(model_config(cfg), "dtype", None) or getattr(model_config(cfg), "torch_dtype", None)
@@ -68,11 +67,7 @@ def export(run_dir: str, out: str, merge: bool = False) -> str:
 
 
 def _merge(run_dir: str, final: str, out: str) -> str:
-    from dataclasses import replace
-
-    from peft import PeftModel
-
-    from launcher.models import PRESETS, build_model, load_tokenizer
+    from peft import PeftModel  # imported when merging only: it pulls in much of transformers
 
     cfg = _run_config(run_dir)
     summary_path = os.path.join(run_dir, "summary.json")

@@ -13,6 +13,8 @@ import os
 import torch
 
 from launcher.config import Config, ConfigError
+from launcher.log import logger
+from launcher.precision import autocast_dtype
 
 TEXT_PROMPT_TOKENS = 8
 
@@ -47,7 +49,7 @@ def greedy(model: torch.nn.Module, ids: list[int], new_tokens: int, device: torc
     """Greedy decoding without a KV cache: a plain forward per token, so it works unchanged under
     DeepSpeed ZeRO-3 and FSDP (their hooks gather each layer) and with peft and bitsandbytes layers.
     Every rank must call it when parameters are sharded."""
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
+    dtype = autocast_dtype(precision)
     was_training = model.training
     model.eval()
     x = torch.tensor([ids], dtype=torch.long, device=device)
@@ -77,7 +79,7 @@ def format_sample(prompt: list[int], completion: list[int], tokenizer) -> dict:
 
 
 def run_sample(engine, prompt: list[int] | None, cfg: Config, tokenizer, precision: str, run_dir: str,
-               is_main: bool, log=print) -> dict | None:
+               is_main: bool) -> dict | None:
     """Generate ``sample_tokens`` greedily from ``prompt``, print it and write ``<run_dir>/sample.txt``.
     Returns ``{prompt, completion}`` for the summary (None when there is no prompt)."""
     if not prompt or cfg.sample_tokens == 0:
@@ -96,5 +98,5 @@ def run_sample(engine, prompt: list[int] | None, cfg: Config, tokenizer, precisi
         with open(os.path.join(run_dir, "sample.txt"), "w") as fh:
             fh.write(text)
         shown = s["prompt"] if len(s["prompt"]) <= 100 else "..." + s["prompt"][-97:]  # the whole prompt is in sample.txt
-        log(f"sample: {shown!r} -> {s['completion']!r} (sample.txt)")
+        logger.info(f"sample: {shown!r} -> {s['completion']!r} (sample.txt)")
     return {"prompt": s["prompt"], "completion": s["completion"]}

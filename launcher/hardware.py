@@ -15,8 +15,8 @@ import shutil
 import sys
 from dataclasses import asdict, dataclass, field
 
-MiB = 1024**2
-GiB = 1024**3
+from launcher.log import GiB, logger
+from launcher.precision import supports_bf16, supports_fp16
 
 
 @dataclass
@@ -62,10 +62,6 @@ class Hardware:
         d = asdict(self)
         d["has_cuda"] = self.has_cuda
         return d
-
-
-def supports_bf16(capability: tuple[int, int]) -> bool:
-    return capability[0] >= 8
 
 
 def _version(mod: str) -> str | None:
@@ -158,7 +154,7 @@ def probe(with_cpu_adam: bool = False) -> Hardware:
             props = torch.cuda.get_device_properties(i)
             free, total = torch.cuda.mem_get_info(i)
             cap = (props.major, props.minor)
-            hw.gpus.append(GPUInfo(i, props.name, int(total), int(free), cap, fp16=cap[0] >= 6, bf16=supports_bf16(cap)))
+            hw.gpus.append(GPUInfo(i, props.name, int(total), int(free), cap, fp16=supports_fp16(cap), bf16=supports_bf16(cap)))
     hw.deepspeed, hw.deepspeed_error = deepspeed_status()
     hw.cpu_adam = cpu_adam_status(hw.deepspeed_error) if with_cpu_adam else "not checked"
     hw.stale_op_locks = stale_op_locks() if with_cpu_adam else []
@@ -177,6 +173,20 @@ def pin_memory_ok(hw: Hardware, pinned_bytes: int) -> tuple[bool, str]:
         return False, (f"pinning {pinned_bytes / GiB:.2f} GiB would lock over half of the "
                        f"{hw.ram_available_bytes / GiB:.2f} GiB available RAM; pin_memory off")
     return True, "ulimit -l and free RAM allow it"
+
+
+def enforce_gpu_budget(gpu_budget, device) -> None:
+    """``memory.gpu_budget=GiB`` on a bigger card: cap this process's allocator, so that a 16 GB card can be
+    reproduced on any larger one (allocations past the cap raise OutOfMemoryError like a full card)."""
+    import torch
+
+    if gpu_budget == "auto":
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    budget = float(gpu_budget) * GiB
+    if budget < total:
+        torch.cuda.set_per_process_memory_fraction(budget / total, device)
+        logger.info(f"GPU budget {gpu_budget} GiB enforced: {budget / total:.1%} of {total / GiB:.1f} GiB")
 
 
 def format_report(hw: Hardware) -> str:

@@ -1,4 +1,5 @@
-"""Models: presets built from configs, local HF directories or hub ids; checkpointing; LoRA.
+"""Models: presets built from configs, local HF directories or hub ids; the tokenizer; checkpointing; the
+final weights.
 
 Weights load in the dtype the profile needs: fp32 for the AMP and FSDP paths (autocast and
 MixedPrecisionPolicy compute in 16 bits from fp32 masters), 16 bits for DeepSpeed fp16/bf16
@@ -11,33 +12,17 @@ import os
 
 import torch
 
+from launcher import hfconfig, lora, quantize
 from launcher.config import Config, ConfigError
-from launcher.presets import PRESETS, preset_config
-
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def is_local(name: str) -> bool:
-    return os.path.isdir(os.path.expanduser(name))
+from launcher.hfconfig import is_local
+from launcher.log import logger
+from launcher.precision import DTYPES
+from launcher.presets import PRESETS
 
 
 def model_config(cfg: Config):
     """The transformers config of ``cfg.model.name`` (no weights)."""
-    name = cfg.model.name
-    if name in PRESETS:
-        return preset_config(name)
-    from transformers import AutoConfig
-
-    path = os.path.expanduser(name)
-    if not is_local(name) and (name.startswith((".", "/", "~")) or os.sep in name and name.count("/") > 1):
-        raise ConfigError([f"model.name: {name!r} is not a directory; rule: a preset ({', '.join(PRESETS)}), a "
-                           "local model directory, or a hub id; fix: check the path"])
-    try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
-    except OSError as e:
-        raise ConfigError([f"model.name: {name!r} could not be loaded ({str(e).splitlines()[0]}); rule: a preset "
-                           f"({', '.join(PRESETS)}), a local model directory with config.json, or a hub id "
-                           "reachable from here; fix: pass a local directory or a preset"]) from None
+    return hfconfig.load(cfg.model.name, cfg.model.trust_remote_code)
 
 
 def attn_impl(cfg: Config, hf_config=None) -> str:
@@ -89,17 +74,16 @@ def load_tokenizer(cfg: Config):
         return None
     if tok.pad_token is None and tok.eos_token is not None:
         tok.pad_token = tok.eos_token
-        from launcher.train import log
-
-        log(f"the tokenizer of {name} has no pad token: padding with eos {tok.eos_token!r} (id {tok.eos_token_id}); "
+        logger.info(f"the tokenizer of {name} has no pad token: padding with eos {tok.eos_token!r} (id {tok.eos_token_id}); "
             "padded positions are masked out of the loss")
     return tok
 
 
 def build_model(cfg: Config, dtype: torch.dtype = torch.float32, hf_config=None, *,
-                device: torch.device | None = None, precision: str = "fp32"):
+                device: torch.device | None = None, precision: str = "fp32", checkpointing: bool = False):
     """Instantiate the model in ``dtype``: random init for presets, weights from a directory/hub; then
-    bitsandbytes quantization (``model.quantize``, done on ``device``) and LoRA (``lora.r > 0``)."""
+    bitsandbytes quantization (``model.quantize``, done on ``device``), activation checkpointing and LoRA
+    (``lora.r > 0``)."""
     from transformers import AutoModelForCausalLM
 
     hf_config = hf_config if hf_config is not None else model_config(cfg)
@@ -109,31 +93,22 @@ def build_model(cfg: Config, dtype: torch.dtype = torch.float32, hf_config=None,
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_impl(cfg, hf_config), dtype=dtype)
         if quant != "none":
-            from launcher.lora import quantize_in_place
-
-            quantize_in_place(model, quant, precision, device)
+            quantize.quantize_in_place(model, quant, precision, device)
     else:
         kw = {}
         if quant != "none":  # quantized while loading, shard by shard, on the training device
-            from launcher.lora import bnb_config
-
-            kw = {"quantization_config": bnb_config(quant, precision), "device_map": {"": device}}
+            kw = {"quantization_config": quantize.bnb_config(quant, precision), "device_map": {"": device}}
         model = AutoModelForCausalLM.from_pretrained(
             os.path.expanduser(cfg.model.name), config=hf_config, dtype=dtype, attn_implementation=attn_impl(cfg, hf_config),
             trust_remote_code=cfg.model.trust_remote_code, **kw)
     model.config.use_cache = False
     if quant != "none":
-        from launcher.lora import describe_quantization, keep_4bit_weights_trainable
-        from launcher.train import log
-
-        keep_4bit_weights_trainable(model)
-        log(f"model.quantize={quant}: {describe_quantization(model)}")
-    if cfg.model.gradient_checkpointing:
+        quantize.keep_4bit_weights_trainable(model)
+        logger.info(f"model.quantize={quant}: {quantize.describe(model)}")
+    if checkpointing:
         enable_checkpointing(model)
     if cfg.lora.r > 0:
-        from launcher.lora import apply_lora, base_name_for
-
-        model = apply_lora(cfg, model, base_name_for(cfg))
+        model = lora.apply_lora(cfg, model, lora.base_name_for(cfg))
     return model
 
 

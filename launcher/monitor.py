@@ -21,7 +21,8 @@
 - **Leak check**: after a warm-up of ``log.leak_steps`` steps, memory after each step (GPU allocated,
   and CPU RSS) that rises over the last ``log.leak_steps`` steps by at least ``log.leak_mib`` without
   ever falling is reported once per series (log line + ``memory_warnings`` in summary.json).
-- **Picture** (``memory.png``): the timeline, the per-phase peaks and the planned peaks.
+- **Picture** (``memory.png``, drawn by :mod:`launcher.plots`): the timeline, the per-phase peaks and
+  the planned peaks.
 
 Cost: a sample reads /proc a few times (under a millisecond, every 0.5 s by default); per step, three
 RSS high-water reads (0.1-0.2 ms together) and a few microseconds per GPU phase switch.
@@ -41,7 +42,7 @@ import weakref
 import psutil
 import torch
 
-from launcher.hardware import GiB, MiB
+from launcher.log import GiB, MiB, logger
 
 PHASES = ("forward", "backward", "step")  # GPU peaks: the model hooks split forward from backward
 RSS_PHASES = ("forward_backward", "step")  # RSS peaks: split at the optimizer step only (see the docstring)
@@ -160,14 +161,13 @@ class MemoryMonitor:
     """Start after the run directory exists, mark phases from the loop, stop in ``finally``, then plot."""
 
     def __init__(self, csv_path: str | None, device: torch.device, interval_s: float = 0.5, leak_steps: int = 20,
-                 leak_bytes: float = 64 * MiB, log=print, enabled: bool = True):
+                 leak_bytes: float = 64 * MiB, enabled: bool = True):
         self.enabled = enabled  # off: no timeline, no per-phase peaks, no leak check; overall peaks still right
         self.csv_path = csv_path if enabled else None  # None: no timeline (ranks other than 0)
         self.device = device
         self.interval_s = float(interval_s)
         self.leak_steps = int(leak_steps)
         self.leak_bytes = float(leak_bytes)
-        self.log = log
         self.cuda = device.type == "cuda"
         self.phase = "setup"
         self.step = 0
@@ -196,10 +196,10 @@ class MemoryMonitor:
         self._device_used, self.device_source = None, "no GPU"
 
     @classmethod
-    def for_run(cls, cfg, rd, device: torch.device, log) -> MemoryMonitor:
+    def for_run(cls, cfg, rd, device: torch.device) -> MemoryMonitor:
         interval = cfg.log.memory_interval_s
         return cls(rd.file("memory.csv") if rd.is_main else None, device, interval_s=interval,
-                   leak_steps=cfg.log.leak_steps, leak_bytes=cfg.log.leak_mib * MiB, log=log, enabled=interval > 0)
+                   leak_steps=cfg.log.leak_steps, leak_bytes=cfg.log.leak_mib * MiB, enabled=interval > 0)
 
     # ---- lifecycle
 
@@ -366,7 +366,7 @@ class MemoryMonitor:
                        f"now {v / GiB:.2f} GiB")
                 self.warnings.append({"kind": key, "step": step, "growth_bytes": int(growth),
                                       "window_steps": self.leak_steps, "message": msg})
-                self.log(f"warning: {msg}")
+                logger.warning(msg)
 
     # ---- results
 
@@ -393,17 +393,6 @@ class MemoryMonitor:
                 "memory_samples": self.samples, "gpu_device_memory_source": self.device_source,
                 "memory_loop_start_s": None if self.loop_start_s is None else round(self.loop_start_s, 3)}
 
-    def plot(self, path: str, predicted_gpu_bytes=None, predicted_cpu_bytes=None, title: str = "") -> str | None:
-        """Draw ``memory.png`` from ``memory.csv`` and the per-step peaks. Returns the path (None: no timeline)."""
-        if not self.csv_path or not os.path.exists(self.csv_path):
-            return None
-        try:
-            return plot_memory(self.csv_path, path, self.step_peaks, predicted_gpu_bytes, predicted_cpu_bytes,
-                               self.loop_start_s, title)
-        except Exception as e:  # a picture must not fail a finished run
-            self.log(f"warning: memory.png not written: {type(e).__name__}: {e}")
-            return None
-
 
 def _sampler(ref, stop: threading.Event, interval_s: float) -> None:
     while not stop.wait(interval_s):
@@ -413,7 +402,7 @@ def _sampler(ref, stop: threading.Event, interval_s: float) -> None:
         try:
             mon.sample()
         except Exception as e:  # a monitor must never take the run down; say so once and stop sampling
-            mon.log(f"warning: memory monitor stopped sampling: {type(e).__name__}: {e}")
+            logger.warning(f"memory monitor stopped sampling: {type(e).__name__}: {e}")
             return
         finally:
             del mon
@@ -427,96 +416,3 @@ def read_csv(path: str) -> dict[str, list]:
                 v = row.get(k, "")
                 cols[k].append(v if k == "phase" else (float(v) if v not in ("", None) else None))
     return cols
-
-
-def plot_memory(csv_path: str, out: str, step_peaks=(), predicted_gpu_bytes=None, predicted_cpu_bytes=None,
-                loop_start_s=None, title: str = "") -> str:
-    """The timeline (GPU on top when there is one, CPU below), per-phase peaks and planned peaks, in GiB."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    c = read_csv(csv_path)
-    t = c["time_s"]
-    has_gpu = any(v is not None for v in c["gpu_allocated_bytes"])
-    fig = Figure(figsize=(11, 7 if has_gpu else 4.2), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(2 if has_gpu else 1, 1, sharex=True, squeeze=False)[:, 0]
-    g = lambda xs: [None if x is None else x / GiB for x in xs]  # noqa: E731
-    colors = {"forward": "tab:blue", "backward": "tab:orange", "step": "tab:green", "forward_backward": "tab:blue"}
-    pt = [p[0] for p in step_peaks]
-
-    def peaks(ax, fmt, phases):
-        for ph in phases:
-            ys = [p[2].get(fmt.format(ph)) for p in step_peaks]
-            if any(y is not None for y in ys):
-                ax.plot(pt, g(ys), ".-", ms=3, lw=0.6, color=colors[ph], alpha=0.8,
-                        label=f"{ph.replace('_', ' + ')} peak (per step)")
-
-    def finish(ax, predicted, what):
-        if predicted:
-            ax.axhline(predicted / GiB, color="tab:red", ls="--", lw=1, label=f"planned {what} peak")
-        if loop_start_s is not None:
-            ax.axvline(loop_start_s, color="gray", ls=":", lw=1, label="training loop starts")
-        ax.set_ylabel("GiB")
-        ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.05)
-        ax.grid(alpha=0.3)
-
-    if has_gpu:
-        ax = axes[0]
-        ax.plot(t, g(c["gpu_allocated_bytes"]), color="black", lw=1.2, label="allocated (this process)")
-        ax.plot(t, g(c["gpu_reserved_bytes"]), color="dimgray", lw=1, label="reserved (this process)")
-        if any(v is not None for v in c["gpu_device_used_bytes"]):
-            ax.plot(t, g(c["gpu_device_used_bytes"]), color="tab:purple", lw=1, label="device used (all processes)")
-        peaks(ax, "peak_{}_bytes", PHASES)
-        finish(ax, predicted_gpu_bytes, "GPU")
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)
-        ax.set_title("GPU memory")
-    ax = axes[-1]
-    ax.plot(t, g(c["cpu_rss_bytes"]), color="black", lw=1.2, label="RSS (this process)")
-    if c["cpu_tree_rss_bytes"] != c["cpu_rss_bytes"]:
-        ax.plot(t, g(c["cpu_tree_rss_bytes"]), color="dimgray", lw=1, label="RSS (process tree)")
-    peaks(ax, "peak_{}_rss_bytes", RSS_PHASES)
-    finish(ax, predicted_cpu_bytes, "CPU")
-    ax.set_title("CPU memory")
-    ax.set_xlabel("seconds since the run started")
-    # other tenants show here: the host's available RAM, on its own scale
-    twin = ax.twinx()
-    avail = g(c["ram_available_bytes"])
-    twin.plot(t, avail, color="tab:cyan", lw=0.8, alpha=0.7, label="system RAM available (right axis)")
-    twin.set_ylabel("system RAM available, GiB", color="tab:cyan")
-    twin.set_ylim(0, max([a for a in avail if a is not None] or [1]) * 1.3)
-    h1, l1 = ax.get_legend_handles_labels()
-    h2, l2 = twin.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, loc="upper left", bbox_to_anchor=(1.07, 1), fontsize=7)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    tmp = f"{out}.tmp-{os.getpid()}.png"
-    fig.savefig(tmp, dpi=100)
-    os.replace(tmp, out)
-    return out
-
-
-def main(argv=None) -> int:
-    """``python -m launcher.monitor RUN_DIR``: redraw a run's memory.png from its memory.csv and metrics."""
-    import argparse
-    import json
-
-    ap = argparse.ArgumentParser(description=main.__doc__)
-    ap.add_argument("run_dir")
-    args = ap.parse_args(argv)
-    summary_path = os.path.join(args.run_dir, "summary.json")
-    s = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
-    metrics = os.path.join(args.run_dir, "metrics.jsonl")
-    rows = [json.loads(ln) for ln in open(metrics) if ln.strip()] if os.path.exists(metrics) else []
-    # metrics time is from the loop start, the timeline's from the monitor start: align on the loop start
-    offset = s.get("memory_loop_start_s") or 0.0
-    step_peaks = [(offset + r["time_s"], r["step"], r) for r in rows]
-    out = plot_memory(os.path.join(args.run_dir, "memory.csv"), os.path.join(args.run_dir, "memory.png"), step_peaks,
-                      s.get("predicted_gpu_bytes"), s.get("predicted_cpu_bytes"), s.get("memory_loop_start_s"),
-                      f"{s.get('profile', '')} {os.path.basename(os.path.normpath(args.run_dir))}")
-    print(out)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,8 +1,9 @@
-"""Decide device, precision, engine and profile before anything is loaded, and say why.
+"""Decide once, before anything is loaded, how the run goes, into a frozen :class:`RunSpec`.
 
-``precision=auto``: bf16 on GPUs of compute capability >= 8.0, fp16 on older GPUs (T4, V100), fp32 on
-the CPU. ``engine=auto``: DeepSpeed when it imports and can run the profile, else the torch paths.
-``profile=auto``: the fastest profile that fits the memory budget (the planner decides).
+:mod:`launcher.availability` says what can run here (device, precision, profiles) and the planner which
+profile and micro-batch fit; this module combines them, checks the batch arithmetic and the host-RAM
+refusal, and keeps the reasons. The loop receives the RunSpec and never reads those decisions from the
+user's config again; the OOM ladder moves to a new RunSpec (:meth:`RunSpec.at`), never edits one.
 """
 
 from __future__ import annotations
@@ -11,189 +12,98 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from launcher import advice, availability, planner
 from launcher.config import AUTO, Config, ConfigError
 from launcher.hardware import Hardware
+from launcher.ladder import Rung
+from launcher.log import gib
 from launcher.profiles import PROFILES, Profile
 
 
-@dataclass
-class Resolved:
+@dataclass(frozen=True)
+class RunSpec:
     device: torch.device
     precision: str
     profile: Profile
     micro_batch: int
     accumulation: int
     world: int
-    reasons: list[str] = field(default_factory=list)
-    plan: object | None = None  # launcher.planner.Plan when the planner ran
+    checkpointing: bool
+    reasons: tuple[str, ...] = ()
+    plan: planner.Plan | None = field(default=None, compare=False)
+    usable: tuple[Profile, ...] = ()  # profiles the OOM ladder may move to, fastest first
 
     @property
     def engine(self) -> str:
         return self.profile.engine
 
+    @property
+    def rung(self) -> Rung:
+        return Rung(self.micro_batch, self.accumulation, self.checkpointing, self.profile.name)
 
-def resolve_device(cfg: Config, hw: Hardware) -> torch.device:
-    if cfg.device == "cuda" and not hw.has_cuda:
-        raise ConfigError(["device: got 'cuda'; rule: needs a CUDA GPU and a CUDA build of torch, and none was "
-                           f"found (torch {hw.torch}, CUDA {hw.cuda}); fix: device=auto or device=cpu"])
-    if cfg.device == "cpu" or not hw.has_cuda:
-        return torch.device("cpu")
-    import os
+    def at(self, rung: Rung) -> RunSpec:
+        """The same run at another rung of the OOM ladder (or a resumed run's rung)."""
+        p = PROFILES[rung.profile]
+        return replace(self, profile=p, precision=p.precision, micro_batch=rung.micro_batch,
+                       accumulation=rung.accumulation, checkpointing=rung.checkpointing)
 
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    def predicted(self, key: str):
+        """A number of the plan's row for the profile in use (None without a plan)."""
+        row = self.plan.get(self.profile.name) if self.plan is not None else None
+        return getattr(row, key) if row is not None else None
 
 
-def resolve_precision(cfg: Config, hw: Hardware, device: torch.device) -> tuple[str, str]:
+def resolve(cfg: Config, hw: Hardware, world: int = 1, local_rank: int = 0) -> RunSpec:
+    avail = availability.assess(cfg, hw, local_rank)
+    reasons = [f"device {avail.device}", avail.precision_reason]
     if cfg.profile != AUTO:
-        return PROFILES[cfg.profile].precision, f"precision {PROFILES[cfg.profile].precision} from profile {cfg.profile}"
-    if cfg.precision != AUTO:
-        prec = cfg.precision
-        if prec == "bf16" and device.type == "cuda" and not hw.gpu(device.index or 0).bf16:
-            g = hw.gpu(device.index or 0)
-            raise ConfigError([f"precision: got 'bf16' on {g.name} (compute capability {g.capability[0]}.{g.capability[1]}); "
-                               "rule: bf16 needs compute capability >= 8.0 (Ampere or newer); torch would emulate it "
-                               "slowly; fix: precision=fp16 (dynamic loss scaling) or precision=auto"])
-        return prec, f"precision {prec} as asked"
-    if device.type == "cuda":
-        g = hw.gpu(device.index or 0)
-        if g.bf16:
-            return "bf16", f"precision bf16: {g.name} has compute capability {g.capability[0]}.{g.capability[1]} >= 8.0"
-        return "fp16", (f"precision fp16 with dynamic loss scaling: {g.name} has compute capability "
-                        f"{g.capability[0]}.{g.capability[1]} < 8.0, so no native bf16")
-    return "fp32", "precision fp32: training on the CPU, where 16-bit autocast brings no speed"
-
-
-def engine_problems(p: Profile, cfg: Config, hw: Hardware, device: torch.device) -> str | None:
-    """Why profile ``p`` cannot run here (None when it can)."""
-    if p.engine == "deepspeed":
-        if hw.deepspeed is None:
-            return f"DeepSpeed {hw.deepspeed_error}"
-        if device.type == "cpu" and p.precision == "fp16":
-            return "DeepSpeed refuses fp16 on the CPU"
-        if cfg.model.quantize != "none":
-            return f"model.quantize={cfg.model.quantize} (bitsandbytes) runs on the AMP path only"
-        if cfg.train.optimizer == "adamw8bit":
-            return "train.optimizer=adamw8bit (bitsandbytes) runs on the AMP path only"
-    if p.engine == "fsdp":
-        if cfg.model.quantize != "none" or cfg.train.optimizer == "adamw8bit":
-            return "bitsandbytes quantization and 8-bit AdamW run on the AMP path only"
-        if not _fsdp_available():
-            return "torch.distributed.fsdp.fully_shard is not available in this torch"
-    return None
-
-
-def _fsdp_available() -> bool:
-    try:
-        from launcher.engines import fsdp  # noqa: F401
-
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
-
-        return True
-    except ImportError:
-        return False
-
-
-def candidate_order(cfg: Config, hw: Hardware, precision: str, device: torch.device,
-                    allow_offload: bool = False) -> tuple[list[Profile], list[str]]:
-    """Profiles to try for this precision, fastest first, DeepSpeed first when it can run; plus why others were dropped."""
-    dropped = []
-    pool = [p for p in PROFILES.values() if p.precision == precision]
-    if cfg.engine != AUTO:
-        pool = [p for p in pool if p.engine == cfg.engine]
-        if not pool:
-            have = [p.name for p in PROFILES.values() if p.engine == cfg.engine]
-            dropped.append(f"engine {cfg.engine} has no {precision} profile (its profiles: {', '.join(have)})")
-    ok = []
-    for p in pool:
-        why = engine_problems(p, cfg, hw, device)
-        if why:
-            dropped.append(f"{p.name}: {why}")
-        else:
-            ok.append(p)
-    # Offload profiles need a GPU to offload from; on the CPU they only add copies.
-    if device.type == "cpu" and not allow_offload:
-        no_off = [p for p in ok if not p.offloads]
-        if no_off:
-            ok = no_off
-    ds_first = lambda p: (p.speed_rank, 0 if p.engine == "deepspeed" else 1)  # noqa: E731
-    return sorted(ok, key=ds_first), dropped
-
-
-def resolve(cfg: Config, hw: Hardware, world: int = 1) -> Resolved:
-    device = resolve_device(cfg, hw)
-    precision, why_prec = resolve_precision(cfg, hw, device)
-    reasons = [f"device {device}", why_prec]
-    if cfg.profile != AUTO:
-        p = PROFILES[cfg.profile]
-        why = engine_problems(p, cfg, hw, device)
-        if why:
-            alt, _ = candidate_order(replace(cfg, engine=AUTO), hw, precision, device)
+        chosen = PROFILES[cfg.profile]
+        problem = avail.problems.get(chosen.name)
+        if problem:
+            alt = availability.assess(replace(cfg, profile=AUTO, engine=AUTO, precision=chosen.precision), hw,
+                                      local_rank).usable()
             fix = f"profile={alt[0].name}" if alt else "profile=auto"
-            raise ConfigError([f"profile: got {cfg.profile!r}; rule: its engine must be usable here, but {why}; "
-                               f"fix: {fix}" + (" or pip install 'vramfit[deepspeed]'" if "not installed" in why else "")])
-        chosen, plan = p, _plan_one(cfg, hw, p)
-        reasons.append(f"profile {p.name} as asked")
-        row = plan.get(p.name) if plan is not None else None
+            raise ConfigError([f"profile: got {cfg.profile!r}; rule: its engine must be usable here, but {problem}; "
+                               f"fix: {fix}" + (" or pip install 'vramfit[deepspeed]'" if "not installed" in problem
+                                                else "")])
+        plan = planner.plan(cfg, hw, [chosen.name], world=world)
+        reasons.append(f"profile {chosen.name} as asked")
+        row = plan.get(chosen.name)
         if row is not None and not row.fits:
-            over_cpu = row.cpu_bytes > plan.budget["cpu_bytes"]
-            if over_cpu:  # a host OOM kill loses the run: refuse before anything is loaded
-                raise ConfigError([f"memory: profile {p.name} needs {row.cpu_bytes / 2**30:.1f} GiB of CPU RAM, the "
-                                   f"budget is {plan.budget['cpu_bytes'] / 2**30:.1f} GiB ({plan.budget['cpu_source']}); "
+            if row.cpu_bytes > plan.budget["cpu_bytes"]:  # a host OOM kill loses the run: refuse before loading
+                advice.add_suggestions(plan, cfg, hw, [chosen.name], world)
+                raise ConfigError([f"memory: profile {chosen.name} needs {gib(row.cpu_bytes)} of CPU RAM, the "
+                                   f"budget is {gib(plan.budget['cpu_bytes'])} ({plan.budget['cpu_source']}); "
                                    "rule: planned host memory must fit, or the kernel kills the run; fix: "
                                    + ("; ".join(plan.suggestions) if plan.suggestions else
                                       "a profile that offloads less, LoRA (lora.r=16), or memory.cpu_budget=GiB "
                                       "if RAM will be free")], "memory plan")
-            reasons.append(f"warning: the plan puts {p.name} over the GPU budget ({row.why_not}); the OOM ladder "
+            reasons.append(f"warning: the plan puts {chosen.name} over the GPU budget ({row.why_not}); the OOM ladder "
                            "will step in if it runs out")
     else:
-        order, dropped = candidate_order(cfg, hw, precision, device)
+        order = avail.usable()
         if not order:
-            other = sorted({p.precision for p in PROFILES.values() if p.engine == cfg.engine} - {precision})
-            fix = "engine=auto" + (f", or precision={other[0]}" if other and cfg.precision != AUTO else "")
-            raise ConfigError([f"engine: got {cfg.engine!r} with precision {precision}; rule: the engine must be able "
-                               f"to run here, but: {'; '.join(dropped)}; fix: {fix}"])
-        chosen, plan, why_profile = _choose(cfg, hw, order, device)
-        if chosen is None:
-            tips = "; ".join(getattr(plan, "suggestions", []) or []) or "a smaller model or more memory"
+            raise availability.engine_error(cfg, avail)
+        plan = planner.plan(cfg, hw, [p.name for p in order], world=world)
+        if plan.chosen is None:
+            advice.add_suggestions(plan, cfg, hw, [p.name for p in order], world)
+            tips = "; ".join(plan.suggestions) or "a smaller model or more memory"
             raise ConfigError([f"memory: no profile fits; {plan.reason}; fix: {tips}"], "memory plan")
-        reasons.append(why_profile)
-        if cfg.engine == AUTO and dropped and chosen.engine != "deepspeed":
-            ds_drop = [d for d in dropped if d.startswith("zero")]
-            if ds_drop:
-                reasons.append(f"engine {chosen.engine}, not DeepSpeed: {ds_drop[0].split(': ', 1)[1]}")
+        chosen = PROFILES[plan.chosen]
+        reasons.append(f"profile {plan.chosen}: {plan.reason}")
+        why_engine = avail.engine_reason(chosen) if cfg.engine == AUTO else None
+        if why_engine:
+            reasons.append(why_engine)
     micro = cfg.train.micro_batch_size
     if micro == AUTO:
-        micro = getattr(plan, "micro_batch", None) or 1 if plan is not None else 1
+        micro = plan.micro_batch or 1
         reasons.append(f"micro-batch {micro} from the planner")
     per_step = micro * world
     if cfg.train.global_batch_size % per_step:
         raise ConfigError([f"train.global_batch_size: got {cfg.train.global_batch_size}; rule: a multiple of "
                            f"micro-batch {micro} x {world} rank(s) = {per_step}; fix: "
                            f"train.global_batch_size={max(per_step, cfg.train.global_batch_size // per_step * per_step)}"])
-    accumulation = cfg.train.global_batch_size // per_step
-    return Resolved(device, precision, chosen, micro, accumulation, world, reasons, plan)
-
-
-def _plan_one(cfg: Config, hw: Hardware, p: Profile):
-    """The planner's view of one profile asked for by name (for the prediction and the host-RAM check)."""
-    from launcher import planner
-
-    plan = planner.plan(cfg, hw, profiles=[p.name], available_engines={p.engine}, suggest=False)
-    row = plan.get(p.name)
-    if row is not None and row.cpu_bytes > plan.budget["cpu_bytes"]:  # the refusal lists them; they cost seconds
-        plan = planner.plan(cfg, hw, profiles=[p.name], available_engines={p.engine}, suggest=True)
-    return plan
-
-
-def _choose(cfg: Config, hw: Hardware, order: list[Profile], device: torch.device):
-    """The planner's choice among ``order`` when it is present, else the first of ``order``."""
-    try:
-        from launcher import planner
-    except ImportError:
-        planner = None
-    if planner is None or not hasattr(planner, "plan"):
-        return order[0], None, f"profile {order[0].name}: the fastest that can run here"
-    plan = planner.plan(cfg, hw, profiles=[p.name for p in order], available_engines={p.engine for p in order})
-    if plan.chosen is None:
-        return None, plan, ""  # the caller turns this into the "nothing fits" error
-    return PROFILES[plan.chosen], plan, f"profile {plan.chosen}: {plan.reason}"
+    # The OOM ladder may move to any profile of this precision and engine that can run, offload included.
+    ladder = availability.assess(replace(cfg, profile=AUTO, precision=chosen.precision), hw, local_rank)
+    return RunSpec(avail.device, avail.precision, chosen, micro, cfg.train.global_batch_size // per_step, world,
+                   bool(cfg.model.gradient_checkpointing), tuple(reasons), plan, tuple(ladder.usable(allow_offload=True)))

@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from launcher.config import load_config  # noqa: E402
-from launcher.data import micro_batches, synthetic_task  # noqa: E402
+from launcher.data.order import micro_batches  # noqa: E402
+from launcher.data.synthetic import synthetic_task  # noqa: E402
 from launcher.models import build_model, model_config, param_groups  # noqa: E402
 
 WARMUP = 5

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from conftest import has_deepspeed, run_cli
+from helpers import has_deepspeed, run_cli
 from launcher import bench
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from conftest import ROOT, run_cli
+from helpers import ROOT, run_cli
 from launcher.config import Config, ConfigError, load_config, reference_markdown
 
 

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from helpers_hf import make_model_dir, qa_records, write_jsonl
+from helpers.hf import make_model_dir, qa_records, write_jsonl
 from launcher.config import ConfigError, load_config
 from launcher.data import load_data
 from launcher.models import load_tokenizer
@@ -93,19 +93,19 @@ def test_messages_with_chat_template_train_assistant_turns_only(model_dir, tmp_p
     assert "hi" in masked and "say yes" in masked and "<|assistant|>" not in trained
 
 
-def test_messages_without_chat_template(tmp_path, capsys):
+def test_messages_without_chat_template(tmp_path, vramfit_log):
     d = make_model_dir(str(tmp_path / "m"), chat_template=False)
     src = write_jsonl(str(tmp_path / "d.jsonl"), qa_records("messages", repeat=1)[:2])
     data, tok = load(d, src)
     assert trained_text(tok, data)[0] == "blue . <eos>"
-    assert "no chat template" in capsys.readouterr().out
+    assert "no chat template" in vramfit_log.text
 
 
-def test_tokenizer_without_pad_uses_eos_and_says_so(tmp_path, capsys):
+def test_tokenizer_without_pad_uses_eos_and_says_so(tmp_path, vramfit_log):
     d = make_model_dir(str(tmp_path / "m"), pad=False)
     src = write_jsonl(str(tmp_path / "d.jsonl"), qa_records(repeat=1)[:2])
     data, tok = load(d, src)
-    assert tok.pad_token == tok.eos_token and "no pad token: padding with eos" in capsys.readouterr().out
+    assert tok.pad_token == tok.eos_token and "no pad token: padding with eos" in vramfit_log.text
     assert int(data.input_ids[0, -1]) == tok.eos_token_id and int(data.labels[0, -1]) == -100
 
 
@@ -226,7 +226,7 @@ def test_sample_prompt_comes_from_the_data(model_dir, tmp_path):
 
 @pytest.mark.parametrize("name,fmt", [("alpaca-mini.jsonl", "alpaca"), ("chat-mini.jsonl", "messages")])
 def test_shipped_example_data_loads(model_dir, name, fmt):
-    from conftest import ROOT
+    from helpers import ROOT
 
     data, _ = load(model_dir, os.path.join(ROOT, "examples", "data", name), "data.seq_len=128")
     assert f"{fmt} records" in data.description and "skipped" not in data.description and len(data) >= 20

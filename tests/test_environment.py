@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from conftest import FAST, needs_deepspeed, run_cli
+from helpers import FAST, needs_deepspeed, run_cli
 
 SHORT = [a for a in FAST if not a.startswith(("train.max_steps", "train.warmup_steps"))]
 

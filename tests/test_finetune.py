@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
-from conftest import compare, losses, needs_deepspeed, run_inprocess
-from helpers_hf import make_model_dir, qa_records, write_jsonl
+from helpers import compare, losses, needs_deepspeed, run_inprocess
+from helpers.hf import make_model_dir, qa_records, write_jsonl
 from launcher.config import ConfigError
-from launcher.train import Hooks
+from launcher.faults import Hooks
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +189,7 @@ def test_4bit_cpu_packed_layout_fits_the_test_models(hf):
     import bitsandbytes.functional as F
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from launcher.lora import quantize_in_place
+    from launcher.quantize import quantize_in_place
     from launcher.presets import PRESETS
 
     models = [AutoModelForCausalLM.from_pretrained(hf[0]),

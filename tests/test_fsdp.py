@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from conftest import FAST, ROOT, compare, losses, needs_deepspeed, run_cli, run_inprocess
+from helpers import FAST, ROOT, compare, losses, needs_deepspeed, run_cli, run_inprocess
 from launcher.profiles import PROFILES, Profile
 
 FP32 = "fsdp-fp32-offload"
@@ -118,7 +118,7 @@ def test_fp16_loss_scale_matches_amp(tmp_path):
     Scale 2**10 and window 3 keep the scale far below where this model's fp16 gradients overflow by themselves
     (2**17 in a run without injection), so only the injected steps overflow. The trajectory grows, halves
     twice in a row, grows again, and an overflow resets the count of clean steps."""
-    from launcher.train import Hooks
+    from launcher.faults import Hooks
 
     bad = {3, 4, 9}  # 0-based optimizer steps
 
@@ -149,7 +149,7 @@ def test_resume_matches_uninterrupted(runs):
     """SIGTERM at step 4 of 8: the loop finishes the step and writes a DCP checkpoint (model and AdamW shards
     per rank, scaler and client state beside them); the next run with the same run_name resumes it and the
     whole curve equals the uninterrupted run."""
-    from launcher.train import Hooks
+    from launcher.faults import Hooks
 
     _, full = runs("fsdp-fp32-short", *SHORT)
     stop = Hooks(after_step=lambda step: step == 4 and os.kill(os.getpid(), signal.SIGTERM))
@@ -168,7 +168,7 @@ def oom_in_backward(at_steps):
     """Raise a fake OOM in the backward of decoder layer 2 during the second micro-batch of each step in
     ``at_steps``: FSDP is then mid-iteration (some units reduced, the embeddings not, the end-of-backward
     callback never run) and the step is half accumulated."""
-    from launcher.train import Hooks
+    from launcher.faults import Hooks
 
     pending = list(at_steps)
 
@@ -261,7 +261,8 @@ def test_auto_picks_fsdp_when_deepspeed_missing_and_offload_needed():
     fastest that fits; without it, FSDP offload, and the reasons say why (the planner's numbers and
     DeepSpeed's absence)."""
     from launcher.config import load_config
-    from launcher.hardware import GiB, GPUInfo, probe
+    from launcher.hardware import GPUInfo, probe
+    from launcher.log import GiB
     from launcher.resolve import resolve
 
     hw = probe()

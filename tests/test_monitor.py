@@ -11,7 +11,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import gpu, run_inprocess
+from helpers import run_inprocess
 from launcher.monitor import CSV_COLUMNS, MiB, MemoryMonitor, detect_leak
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -90,7 +90,7 @@ def test_training_writes_timeline_peaks_png_and_reports_a_leak(tmp_path):
     def leak(step):
         kept.append(b"\x01" * (8 * MiB))  # touched pages, so RSS grows
 
-    from launcher.train import Hooks
+    from launcher.faults import Hooks
 
     summary, rows = run_inprocess(tmp_path, "engine=amp", "run_name=m", "log.memory_interval_s=0.05",
                                   "log.leak_steps=6", "log.leak_mib=16", hooks=Hooks(after_step=leak))
@@ -127,7 +127,7 @@ def test_training_writes_timeline_peaks_png_and_reports_a_leak(tmp_path):
     assert open(png, "rb").read(8) == PNG_MAGIC and os.path.getsize(png) > 10_000
 
 
-@gpu
+@pytest.mark.gpu
 def test_gpu_timeline_and_phase_peaks(tmp_path):
     """On CUDA: the timeline's GPU columns (this process and the whole device), per-phase allocated peaks."""
     precision = "bf16" if torch.cuda.get_device_capability()[0] >= 8 else "fp16"
@@ -157,31 +157,35 @@ def _row(step, skipped=False):
             "tokens_per_s": 1000.0, "gpu_allocated_bytes": None, "cpu_rss_bytes": 2**30}
 
 
-def test_progress_plain_lines_when_off_or_not_a_terminal():
-    from launcher.progress import Progress
-    from launcher.train import _format_row
+def _lines(caplog) -> list[str]:
+    out = [r.getMessage() for r in caplog.records if r.name == "vramfit"]
+    caplog.clear()
+    return out
 
-    for mode in ("off", "auto"):  # pytest's stdout is not a terminal: auto means plain lines
-        lines = []
-        p = Progress(_cfg(mode), 0, lines.append, _format_row)
+
+def test_progress_plain_lines_when_off_or_not_a_terminal(vramfit_log):
+    from launcher.progress import Progress
+
+    for mode in ("off", "auto"):  # pytest's stderr is not a terminal: auto means plain lines
+        vramfit_log.clear()
+        p = Progress(_cfg(mode), 0)
         assert p.bar is None
         for s in range(1, 13):
             p.update(_row(s, skipped=(s == 7)))
         p.close()
+        lines = _lines(vramfit_log)
         assert [ln.split("/")[0] for ln in lines] == ["step 1", "step 5", "step 7", "step 10", "step 12"]
         assert "(skipped)" in lines[2]
 
 
-def test_progress_bar_when_on(capsys):
+def test_progress_bar_when_on(capsys, vramfit_log):
     from launcher.progress import Progress
-    from launcher.train import _format_row
 
-    lines = []
-    p = Progress(_cfg("on"), 2, lambda m: (lines.append(m), print(m)), _format_row)
+    p = Progress(_cfg("on"), 2)
     assert p.bar is not None
     for s in range(3, 13):
         p.update(_row(s))
     p.close()
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err  # the bar goes where vramfit's lines go
     assert "12/12" in out and "tok/s" in out and "loss" in out and "scale 65536" in out
-    assert [ln.split("/")[0] for ln in lines] == ["step 5", "step 10", "step 12"]
+    assert [ln.split("/")[0] for ln in _lines(vramfit_log)] == ["step 5", "step 10", "step 12"]

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import FAST, ROOT, compare, losses, needs_deepspeed, run_inprocess
+from helpers import FAST, ROOT, compare, losses, needs_deepspeed, run_inprocess
 
 
 def torchrun(nproc, *overrides, timeout=600, sigterm_after_step=None, metrics=None):
@@ -58,7 +58,7 @@ def test_two_ranks_match_one_rank_and_resume(tmp_path, profile):
     assert s["resumed_from"].endswith(f"step-{cut['steps']:06d}") and cut["steps"] < 8
     rows = rows_of(tmp_path / "two")
     assert [x["step"] for x in rows] == list(range(1, 9))  # one line per step: rank 0 alone writes
-    assert r.stdout.count("completed: 8 steps") == 1
+    assert r.stderr.count("completed: 8 steps") == 1
     one, one_rows = run_inprocess(tmp_path, *common[1:], "train.micro_batch_size=2", "run_name=one", fast=True)
     assert one["accumulation"] == 2
     mx, _ = compare(losses(rows), losses(one_rows), f"{profile}: 2 ranks x micro 1 vs 1 rank x micro 2")

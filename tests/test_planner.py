@@ -12,11 +12,14 @@ import time
 import pytest
 import torch
 
-from launcher import planner
+from launcher import advice, planner, report
 from launcher.config import load_config
-from launcher.hardware import GiB, GPUInfo, Hardware
-from launcher.memory.shape import build_meta_model, count_params, lora_target_names
+from launcher.hardware import GPUInfo, Hardware
+from launcher.log import GiB
+from launcher.memory.shape import build_meta_model, count_params
+
 from launcher.memory.trace import TraceSettings, enable_checkpointing, estimate_activations, measure_step, trace_depth
+from launcher.targets import adapted as lora_target_names
 
 
 @pytest.fixture(autouse=True)
@@ -244,7 +247,7 @@ def test_plan_json_contract():
         assert {"profile", "gpu_bytes", "cpu_bytes", "fits", "parts", "speed_rank", "micro_batch", "why_not"} <= set(row)
         assert set(row["parts"]) == {"gpu", "cpu"}
     assert doc["chosen"] in [r["profile"] for r in doc["profiles"]]
-    text = planner.format_table(p)
+    text = report.format_table(p)
     assert "chosen: " + doc["chosen"] in text and "GPU peak GiB" in text
 
 
@@ -253,7 +256,7 @@ def test_choice_precision_engines_and_ties():
     assert p.settings["precision"] == "bf16" and p.chosen == "zero2-bf16"
     assert {r.precision for r in p.profiles} == {"bf16"}
     assert tiny_plan(hw=fake_hw(capability=(7, 5))).chosen == "zero2-fp16"
-    assert tiny_plan(available_engines={"amp"}).chosen == "amp-bf16"
+    assert tiny_plan(hw=fake_hw(capability=(8, 0), deepspeed=None)).chosen == "amp-bf16"
     assert tiny_plan("engine=amp").chosen == "amp-bf16"
     assert tiny_plan("profile=zero3-bf16-offload-all").chosen == "zero3-bf16-offload-all"
     assert tiny_plan(hw=fake_hw(capability=(8, 0), deepspeed=None)).get("zero2-bf16").available is False
@@ -276,11 +279,11 @@ def test_cpu_target_puts_everything_on_the_cpu():
 def test_budgets():
     hw = fake_hw(gpu_gib=10, ram_gib=20)
     cfg = load_config(None, ["memory.margin=0.2"])
-    g, c, src = planner.budgets(cfg, hw)
+    g, c, src = planner.budgets(cfg, hw, "cuda")
     assert g == int(10 * GiB * 0.8) and c == int(20 * GiB * 0.8) and "free" in src["gpu"]
-    g, c, src = planner.budgets(load_config(None, ["memory.gpu_budget=6", "memory.cpu_budget=12"]), hw)
+    g, c, src = planner.budgets(load_config(None, ["memory.gpu_budget=6", "memory.cpu_budget=12"]), hw, "cuda")
     assert (g, c) == (6 * GiB, 12 * GiB) and "memory.gpu_budget" in src["gpu"]
-    assert planner.budgets(cfg, fake_hw(gpu_gib=0))[0] == 0
+    assert planner.budgets(cfg, fake_hw(gpu_gib=0), "cpu")[0] == 0
 
 
 def test_auto_micro_batch_is_the_largest_power_of_two_that_fits():
@@ -302,11 +305,12 @@ def test_nothing_fits_gives_suggestions_that_fit():
     roomy = planner.plan(load_config(None, base), hw, profiles=amp)
     least = min(r.gpu_bytes for r in roomy.profiles if r.available)
     base.append(f"memory.gpu_budget={(least - 2**20) / GiB}")  # just short of the smallest profile
-    p = planner.plan(load_config(None, base), hw, profiles=amp)
+    p = advice.add_suggestions(planner.plan(load_config(None, base), hw, profiles=amp), load_config(None, base), hw,
+                               amp)
     assert p.chosen is None and "nothing fits" in p.reason
     assert p.suggestions and len(p.suggestions) == len(p.suggested_overrides)
     for text, ov in zip(p.suggestions, p.suggested_overrides):
-        again = planner.plan(load_config(None, base + ov), hw, profiles=amp, suggest=False)
+        again = planner.plan(load_config(None, base + ov), hw, profiles=amp)
         assert again.chosen is not None, text
         assert f"{again.chosen_plan.gpu_bytes / GiB:.1f} GiB" in text  # the numbers said are the re-plan's
 

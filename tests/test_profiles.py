@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from conftest import needs_deepspeed, run_cli
+from helpers import needs_deepspeed, run_cli
 from launcher import profiles
 from launcher.profiles import PROFILES, find_auto, resolve_ds_config
 

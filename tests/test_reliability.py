@@ -12,11 +12,11 @@ import weakref
 import pytest
 import torch
 
-from conftest import FAST, ROOT, compare, losses, needs_deepspeed, run_inprocess
+from helpers import FAST, ROOT, compare, losses, needs_deepspeed, run_inprocess
 from launcher.config import ConfigError
 from launcher.ladder import Rung, next_move
 from launcher.profiles import PROFILES
-from launcher.train import Hooks
+from launcher.faults import Hooks
 
 STEPS = ["train.max_steps=12", "train.warmup_steps=2", "checkpoint.every_steps=4"]
 
@@ -66,7 +66,8 @@ SLOW_SAVE_SCRIPT = """
 import sys, time
 sys.path.insert(0, {root!r})
 from launcher.config import load_config
-from launcher.train import Hooks, train
+from launcher.faults import Hooks
+from launcher.train import train
 cfg = load_config(None, {overrides!r})
 train(cfg, hooks=Hooks(during_save=lambda path: (print("SAVING", flush=True), time.sleep(60))))
 """
@@ -95,7 +96,8 @@ KILL_SCRIPT = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
 from launcher.config import load_config
-from launcher.train import Hooks, train
+from launcher.faults import Hooks
+from launcher.train import train
 cfg = load_config(None, {overrides!r})
 def during_save(path):
     if path.endswith("step-000008.tmp"):

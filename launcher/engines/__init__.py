@@ -1,0 +1,39 @@
+"""The three engines behind one protocol (:mod:`.base`): DeepSpeed ZeRO, torch AMP and torch FSDP2 offload.
+
+:func:`build` wraps a model in the engine of a resolved run; the engine modules never import each other.
+"""
+
+from __future__ import annotations
+
+from launcher.engines.amp import AmpEngine
+from launcher.engines.deepspeed import DeepSpeedEngine
+from launcher.engines.fsdp import FsdpEngine
+from launcher.hardware import Hardware, pin_memory_ok
+from launcher.log import logger
+from launcher.models import param_groups
+from launcher.profiles import resolve_ds_config
+
+
+def build(cfg, spec, model, hw: Hardware, hidden_size: int, lr: float):
+    """(engine, ds_config or None) for ``spec`` (a :class:`launcher.resolve.RunSpec`), optimizer at ``lr``."""
+    groups = param_groups(model, cfg.train.weight_decay)
+    t = cfg.train
+    betas = (t.beta1, t.beta2)
+    n_train = sum(p.numel() for g in groups for p in g["params"])
+    if spec.engine == "deepspeed":
+        pin, why = pin_memory_ok(hw, 16 * n_train) if spec.profile.offloads else (False, "")
+        if spec.profile.offloads:
+            logger.info(f"pin_memory {'on' if pin else 'off'}: {why}")
+        ds_config = resolve_ds_config(spec.profile, micro_batch=spec.micro_batch, accumulation=spec.accumulation,
+                                      world=spec.world, grad_clip=t.grad_clip, lr=lr, betas=betas, eps=t.eps,
+                                      weight_decay=t.weight_decay, hidden_size=hidden_size, pin_memory=pin,
+                                      loss_scale=vars(cfg.loss_scale))
+        return DeepSpeedEngine(model, ds_config=ds_config, param_groups=groups, device=spec.device), ds_config
+    if spec.engine == "fsdp":
+        pin, why = pin_memory_ok(hw, 8 * n_train)  # the fp32 weight and gradient shards FSDP keeps on the CPU
+        logger.info(f"pin_memory {'on' if pin else 'off'}: {why}")
+        return FsdpEngine(model, precision=spec.precision, device=spec.device, lr=lr, betas=betas, eps=t.eps,
+                          weight_decay=t.weight_decay, grad_clip=t.grad_clip, loss_scale=cfg.loss_scale,
+                          pin_memory=pin), None
+    return AmpEngine(model, precision=spec.precision, device=spec.device, param_groups=groups, lr=lr, betas=betas,
+                     eps=t.eps, grad_clip=t.grad_clip, loss_scale=cfg.loss_scale, optimizer=t.optimizer), None

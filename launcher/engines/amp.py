@@ -12,26 +12,8 @@ import os
 
 import torch
 
-from launcher.engines.base import StepResult, autocast_dtype, batch_to
-
-
-def make_optimizer(params_or_groups, *, lr: float, betas, eps: float, device: torch.device, kind: str = "adamw"):
-    """(optimizer, name): fused AdamW where torch has it for this device, else foreach; or bitsandbytes 8-bit."""
-    if kind == "adamw8bit":
-        import bitsandbytes as bnb
-
-        return bnb.optim.AdamW8bit(params_or_groups, lr=lr, betas=betas, eps=eps), "bitsandbytes.optim.AdamW8bit"
-    try:
-        opt = torch.optim.AdamW(params_or_groups, lr=lr, betas=betas, eps=eps, fused=True)
-        return opt, "torch.optim.AdamW(fused=True)"
-    except (RuntimeError, TypeError):  # device without a fused kernel
-        return torch.optim.AdamW(params_or_groups, lr=lr, betas=betas, eps=eps, foreach=True), "torch.optim.AdamW(foreach=True)"
-
-
-def make_scaler(device: torch.device, precision: str, loss_scale) -> torch.amp.GradScaler:
-    return torch.amp.GradScaler(device.type, init_scale=2.0 ** loss_scale.initial_power, growth_factor=2.0,
-                                backoff_factor=0.5, growth_interval=loss_scale.window,
-                                enabled=precision == "fp16")
+from launcher.engines.base import StepResult, autocast_dtype, batch_to, make_optimizer, make_scaler
+from launcher.models import save_final
 
 
 class AmpEngine:
@@ -144,8 +126,6 @@ class AmpEngine:
         return blob["client_state"]
 
     def save_final(self, directory: str) -> None:
-        from launcher.models import save_final
-
         if self.world == 1 or torch.distributed.get_rank() == 0:
             save_final(self.model, directory)
 

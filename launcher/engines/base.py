@@ -1,4 +1,5 @@
-"""The engine protocol: what differs between DeepSpeed, torch AMP and FSDP, and nothing else.
+"""The engine protocol: what differs between DeepSpeed, torch AMP and FSDP, and nothing else; plus the
+optimizer and loss-scaler helpers the torch engines share.
 
 The training loop owns accumulation, the schedule (it passes the lr to ``step``), logging,
 checkpoint cadence, signals and the OOM ladder. An engine owns the model wrapper, the optimizer,
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from launcher.precision import autocast_dtype  # noqa: F401 (engines take it from here)
 
 
 @dataclass
@@ -61,9 +64,24 @@ class Engine(Protocol):
         is the number of optimizer updates done (Adam's bias correction)."""
 
 
-def autocast_dtype(precision: str) -> torch.dtype | None:
-    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
-
-
 def batch_to(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def make_optimizer(params_or_groups, *, lr: float, betas, eps: float, device: torch.device, kind: str = "adamw"):
+    """(optimizer, name): fused AdamW where torch has it for this device, else foreach; or bitsandbytes 8-bit."""
+    if kind == "adamw8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params_or_groups, lr=lr, betas=betas, eps=eps), "bitsandbytes.optim.AdamW8bit"
+    try:
+        opt = torch.optim.AdamW(params_or_groups, lr=lr, betas=betas, eps=eps, fused=True)
+        return opt, "torch.optim.AdamW(fused=True)"
+    except (RuntimeError, TypeError):  # device without a fused kernel
+        return torch.optim.AdamW(params_or_groups, lr=lr, betas=betas, eps=eps, foreach=True), "torch.optim.AdamW(foreach=True)"
+
+
+def make_scaler(device: torch.device, precision: str, loss_scale) -> torch.amp.GradScaler:
+    return torch.amp.GradScaler(device.type, init_scale=2.0 ** loss_scale.initial_power, growth_factor=2.0,
+                                backoff_factor=0.5, growth_interval=loss_scale.window,
+                                enabled=precision == "fp16")

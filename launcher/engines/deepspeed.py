@@ -8,22 +8,13 @@ boundary, so ``forward_backward`` calls it for the non-boundary micro-batches.
 
 from __future__ import annotations
 
-import os
-import socket
-
 import torch
 
+from launcher import dist
 from launcher.engines.base import StepResult, batch_to
-
-
-def ensure_dist_env() -> None:
-    """Single-process defaults so ``python launcher/run.py`` works without a launcher."""
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
-        os.environ.setdefault(k, v)
+from launcher.hardware import clear_stale_op_locks
+from launcher.log import logger
+from launcher.models import save_final
 
 
 def restore_torch_functions() -> None:
@@ -50,12 +41,10 @@ class DeepSpeedEngine:
     def __init__(self, model: torch.nn.Module, *, ds_config: dict, param_groups: list[dict], device: torch.device):
         import deepspeed
 
-        ensure_dist_env()
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            from launcher.hardware import clear_stale_op_locks
-
+        dist.ensure_env()
+        if dist.current().local_rank == 0:
             for path in clear_stale_op_locks():
-                print(f"[vramfit] removed a stale DeepSpeed op build lock left by a killed run: {path}", flush=True)
+                logger.info(f"removed a stale DeepSpeed op build lock left by a killed run: {path}")
         if not torch.distributed.is_initialized():
             deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
         self.ds_config = ds_config
@@ -160,8 +149,6 @@ class DeepSpeedEngine:
         return client["vramfit"]
 
     def save_final(self, directory: str) -> None:
-        from launcher.models import save_final
-
         # Under ZeRO-3 the 16-bit weights are gathered onto rank 0 (stage3_gather_16bit_weights_on_model_save).
         state = self.engine._zero3_consolidated_16bit_state_dict() if self.engine.zero_optimization_stage() == 3 else None
         if torch.distributed.get_rank() == 0:

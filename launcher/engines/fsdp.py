@@ -36,14 +36,10 @@ import os
 import torch
 import torch.distributed as dist
 
-from launcher.engines.amp import make_optimizer, make_scaler
-from launcher.engines.base import StepResult, autocast_dtype, batch_to
-from launcher.engines.deepspeed import ensure_dist_env
-
-
-def process_group_backend(device: torch.device) -> str:
-    """NCCL for the GPU collectives plus gloo for the CPU ones (offloaded grads, norms, found_inf)."""
-    return "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+from launcher import dist as ranks
+from launcher.engines.base import StepResult, autocast_dtype, batch_to, make_optimizer, make_scaler
+from launcher.memory.shape import base_model, decoder_layers
+from launcher.models import param_groups, save_final
 
 
 def _mesh(device: torch.device):
@@ -51,12 +47,12 @@ def _mesh(device: torch.device):
     from torch.distributed.device_mesh import DeviceMesh
 
     if not dist.is_initialized():
-        ensure_dist_env()
-        dist.init_process_group(process_group_backend(device))
+        ranks.ensure_env()
+        dist.init_process_group(ranks.backend(device))
     group = dist.group.WORLD
     have = dist.get_backend_config()  # e.g. 'cuda:nccl', 'cpu:gloo,cuda:gloo', 'cuda:nccl,cpu:gloo'
     if "cpu:" not in have or f"{device.type}:" not in have:
-        group = dist.new_group(backend=process_group_backend(device))  # collective: every rank gets here
+        group = dist.new_group(backend=ranks.backend(device))  # collective: every rank gets here
     return DeviceMesh.from_group(group, device.type), group
 
 
@@ -66,8 +62,6 @@ def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     Tied input and output embeddings share one weight, which can only belong to one unit: then both
     stay in the root unit.
     """
-    from launcher.memory.shape import base_model, decoder_layers
-
     base = base_model(model)
     layers = list(decoder_layers(model))
     emb, head = base.get_input_embeddings(), base.get_output_embeddings()
@@ -91,8 +85,6 @@ class FsdpEngine:
                  eps: float, weight_decay: float, grad_clip: float, loss_scale, offload: bool = True,
                  pin_memory: bool = False):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-        from launcher.models import param_groups
 
         self.device = device
         self.precision = precision
@@ -220,8 +212,6 @@ class FsdpEngine:
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def save_final(self, directory: str) -> None:
-        from launcher.models import save_final
-
         state = self.full_state_dict()
         if self.rank == 0:
             save_final(self.model, directory, state_dict=state)  # transformers drops the FSDP class prefix

@@ -15,27 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-ALL_LINEAR = "all-linear"
-
-
-def resolve_model_config(name: str, trust_remote_code: bool = False):
-    """A preset name (``launcher.presets``) or anything ``AutoConfig.from_pretrained`` accepts."""
-    from launcher.presets import PRESETS, preset_config
-
-    if name in PRESETS:
-        return preset_config(name)
-    import os
-
-    from transformers import AutoConfig
-
-    from launcher.config import ConfigError
-
-    try:
-        return AutoConfig.from_pretrained(os.path.expanduser(name), trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise ConfigError([f"model.name: {name!r} has no loadable config ({str(e).splitlines()[0]}); rule: a preset "
-                           f"({', '.join(PRESETS)}), a local model directory with config.json, or a reachable hub "
-                           "id; fix: check the name or path"]) from None
+from launcher.targets import ALL_LINEAR, adapted, is_linear, linear_in_out
 
 
 def num_layers(config) -> int:
@@ -52,41 +32,6 @@ def with_depth(config, n: int):
         if isinstance(val, (list, tuple)) and len(val) == full:
             setattr(cfg, key, type(val)(val[:n]))
     return cfg
-
-
-def _linear_classes() -> tuple:
-    from transformers.pytorch_utils import Conv1D
-
-    return (nn.Linear, Conv1D)
-
-
-def linear_in_out(module: nn.Module) -> tuple[int, int]:
-    """(in_features, out_features) of an ``nn.Linear`` or a transformers ``Conv1D`` (GPT-2's, weight is in x out)."""
-    if isinstance(module, nn.Linear):
-        return module.in_features, module.out_features
-    w = module.weight
-    return int(w.shape[0]), int(w.shape[1])
-
-
-def lora_target_names(model: nn.Module, targets=(ALL_LINEAR,)) -> list[str]:
-    """Names of the modules LoRA adapts, resolved the way peft does.
-
-    ``all-linear``: every ``nn.Linear``/``Conv1D`` except the output embedding (lm_head). Otherwise a
-    module matches when its name equals a target or ends with ``.<target>``, restricted to linear modules.
-    """
-    targets = [targets] if isinstance(targets, str) else list(targets)
-    linear = _linear_classes()
-    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    names = []
-    for name, mod in model.named_modules():
-        if not isinstance(mod, linear):
-            continue
-        if any(t.lower() == ALL_LINEAR for t in targets):
-            if mod is not out_emb:
-                names.append(name)
-        elif any(name == t or name.endswith("." + t) for t in targets):
-            names.append(name)
-    return names
 
 
 def build_meta_model(config, *, attn_implementation: str = "eager", dtype: torch.dtype = torch.float32,
@@ -111,7 +56,7 @@ def build_meta_model(config, *, attn_implementation: str = "eager", dtype: torch
     if lora_r:
         from peft import LoraConfig, get_peft_model
 
-        names = lora_target_names(model, lora_targets)
+        names = adapted(model, lora_targets)
         if not names:
             raise ValueError(f"lora.target_modules={list(lora_targets)} matches no linear module of "
                              f"{type(model).__name__}")
@@ -192,11 +137,11 @@ def _count_one(model: nn.Module, lora_r: int, lora_targets) -> dict:
     n = lambda ids: sum(params[i].numel() for i in ids if i in params)  # noqa: E731
     linear = 0
     for mod in layers.modules():
-        if isinstance(mod, _linear_classes()):
+        if is_linear(mod):
             linear += mod.weight.numel()
     adapters = largest_adapter = 0
     if lora_r:
-        for name in lora_target_names(model, lora_targets):
+        for name in adapted(model, lora_targets):
             mod = model.get_submodule(name)
             i, o = linear_in_out(mod)
             adapters += lora_r * (i + o)

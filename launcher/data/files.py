@@ -1,4 +1,4 @@
-"""Local data files -> :class:`launcher.data.TokenData`, through ``datasets``.
+"""Local data files -> :class:`launcher.data.tokens.TokenData`, through ``datasets``.
 
 Files: ``.jsonl``, ``.json`` (an array of records, or JSON lines), ``.csv``, ``.parquet``, ``.txt``
 (one record per paragraph: blocks separated by blank lines). Record formats (``data.format``,
@@ -23,10 +23,10 @@ from __future__ import annotations
 import json
 import os
 
-import torch
-
 from launcher.config import Config, ConfigError
-from launcher.data import TokenData
+from launcher.data.tokens import (IGNORE, TokenData, pad_rows, pad_id, tokenize_chats, tokenize_pairs,
+                                   tokenize_text)
+from launcher.log import logger
 
 EXTENSIONS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
@@ -35,15 +35,6 @@ ALPACA_WITH_INPUT = ("Below is an instruction that describes a task, paired with
                      "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
 ALPACA_NO_INPUT = ("Below is an instruction that describes a task. Write a response that appropriately completes "
                    "the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
-
-IGNORE = -100
-
-
-def _log(msg: str) -> None:
-    from launcher.train import log  # late: train imports this module's callers
-
-    log(msg)
-
 
 # ----------------------------------------------------------------------------------------------
 # Reading the file
@@ -232,78 +223,6 @@ def chat_segments(messages: list[dict], tokenizer) -> list[tuple[str, bool]] | N
 # Tokenizing
 
 
-def _ids(tokenizer, texts: list[str], special: bool) -> list[list[int]]:
-    if not texts:
-        return []
-    return tokenizer(texts, add_special_tokens=special, verbose=False)["input_ids"]
-
-
-def pad_id(tokenizer) -> int:
-    """The pad token (eos where the tokenizer has none: padded positions are never in the loss)."""
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-
-def _pad_rows(rows: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> TokenData:
-    n = len(rows)
-    x = torch.full((n, seq_len), pad_id, dtype=torch.long)
-    y = torch.full((n, seq_len), IGNORE, dtype=torch.long)
-    for i, (ids, labels) in enumerate(rows):
-        x[i, :len(ids)] = torch.as_tensor(ids, dtype=torch.long)
-        y[i, :len(labels)] = torch.as_tensor(labels, dtype=torch.long)
-    return TokenData(x, y)
-
-
-def tokenize_text(texts: list[str], tokenizer, seq_len: int, packing: bool) -> tuple[TokenData, str]:
-    eos = tokenizer.eos_token_id
-    docs = [ids + [eos] for ids in _ids(tokenizer, texts, True)]
-    if packing:
-        stream = [t for d in docs for t in d]
-        rows = [stream[i:i + seq_len] for i in range(0, len(stream), seq_len)]
-        if len(rows) > 1 and len(rows[-1]) < seq_len:
-            rows.pop()  # a short tail would be mostly padding
-        note = f"{len(stream)} tokens packed into {len(rows)} blocks"
-        return _pad_rows([(r, r) for r in rows], seq_len, pad_id(tokenizer)), note
-    cut = sum(len(d) > seq_len for d in docs)
-    rows = [(d[:seq_len], d[:seq_len]) for d in docs]
-    return _pad_rows(rows, seq_len, pad_id(tokenizer)), f"one sample per record, {cut} cut at {seq_len} tokens"
-
-
-def tokenize_pairs(prompts: list[str], responses: list[str], tokenizer, seq_len: int,
-                   special_prompt: bool = True, eos_after: bool = True) -> tuple[list, int, int]:
-    """(rows, cut, dropped): prompt tokens masked, response tokens (+ eos) trained, cut at seq_len."""
-    eos = [tokenizer.eos_token_id] if eos_after else []
-    rows, cut, dropped = [], 0, 0
-    for p, r in zip(_ids(tokenizer, prompts, special_prompt), _ids(tokenizer, responses, False)):
-        ids, labels = p + r + eos, [IGNORE] * len(p) + r + eos
-        if len(ids) > seq_len:
-            cut += 1
-            ids, labels = ids[:seq_len], labels[:seq_len]
-        if all(lab == IGNORE for lab in labels):
-            dropped += 1  # the prompt alone fills seq_len: nothing left to learn from
-            continue
-        rows.append((ids, labels))
-    return rows, cut, dropped
-
-
-def tokenize_chats(chats: list[list[tuple[str, bool]]], tokenizer, seq_len: int) -> tuple[list, int, int]:
-    pieces = [(i, text, trained) for i, chat in enumerate(chats) for text, trained in chat]
-    ids = _ids(tokenizer, [t for _, t, _ in pieces], False)
-    per: list[tuple[list[int], list[int]]] = [([], []) for _ in chats]
-    for (i, _t, trained), toks in zip(pieces, ids):
-        per[i][0].extend(toks)
-        per[i][1].extend(toks if trained else [IGNORE] * len(toks))
-    rows, cut, dropped = [], 0, 0
-    for x, y in per:
-        if len(x) > seq_len:
-            cut += 1
-            x, y = x[:seq_len], y[:seq_len]
-        if all(lab == IGNORE for lab in y):
-            dropped += 1
-            continue
-        rows.append((x, y))
-    return rows, cut, dropped
-
-
 # ----------------------------------------------------------------------------------------------
 # The entry point
 
@@ -338,7 +257,7 @@ def load_file_data(cfg: Config, tokenizer, vocab_size: int | None = None) -> Tok
     else:
         if fmt == "messages":
             if not getattr(tokenizer, "chat_template", None):
-                _log(f"the tokenizer of {cfg.model.name} has no chat template: chats are rendered as 'role: content' "
+                logger.info(f"the tokenizer of {cfg.model.name} has no chat template: chats are rendered as 'role: content' "
                      "lines, each assistant reply ending with eos")
             chats = [chat_segments(m, tokenizer) for m in ds["messages"]]
             skipped = sum(c is None for c in chats)
@@ -355,7 +274,7 @@ def load_file_data(cfg: Config, tokenizer, vocab_size: int | None = None) -> Tok
             skipped = len(pairs) - len(keep)
             rows, cut, dropped = tokenize_pairs([p for p, _ in keep], [r for _, r in keep], tokenizer, seq_len)
         n_records = len(ds) - skipped
-        data = _pad_rows(rows, seq_len, pad_id(tokenizer)) if rows else None
+        data = pad_rows(rows, seq_len, pad_id(tokenizer)) if rows else None
         how = f"one sample per record, {cut} cut at {seq_len} tokens"
         if dropped:
             how += f", {dropped} dropped (prompt alone fills seq_len {seq_len})"

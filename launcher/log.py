@@ -1,0 +1,105 @@
+"""Everything vramfit says while it works goes through ``logging.getLogger("vramfit")``.
+
+- Lines read ``[vramfit] message`` (warnings: ``[vramfit] warning: message``) and go to stderr: stdout
+  is for results (the plan table, ``--json`` documents), so ``vramfit plan --json | jq`` always works.
+- Only rank 0 speaks; a record logged with ``extra={"all_ranks": True}`` is printed by every rank.
+- While a tqdm progress bar is up, lines are written through ``tqdm.write`` so they do not tear it.
+- ``log.level`` (debug, info, warning, error) sets the level; :func:`setup` is idempotent.
+
+Also the byte formatters every module shares.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+logger = logging.getLogger("vramfit")
+
+KiB, MiB, GiB = 1024, 1024**2, 1024**3
+LEVELS = ("debug", "info", "warning", "error")
+
+
+class RankFilter(logging.Filter):
+    """Pass records on rank 0, and records marked ``all_ranks`` on every rank."""
+
+    def __init__(self, rank: int = 0):
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.rank == 0 or bool(getattr(record, "all_ranks", False))
+
+
+class _Formatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        msg = record.getMessage()
+        if record.levelno >= logging.ERROR:
+            msg = f"error: {msg}"
+        elif record.levelno >= logging.WARNING:
+            msg = f"warning: {msg}"
+        if record.exc_info:
+            msg += "\n" + self.formatException(record.exc_info)
+        return f"[vramfit] {msg}"
+
+
+class TqdmHandler(logging.Handler):
+    """Writes to the stderr of the moment (so pytest's capture and redirections see it), through
+    ``tqdm.write`` while a tqdm bar is open."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            msg = self.format(record)
+            stream = sys.stderr
+            bars = _open_bars()
+            if bars:
+                from tqdm import tqdm
+
+                tqdm.write(msg, file=stream)
+            else:
+                stream.write(msg + "\n")
+                stream.flush()
+        except Exception:  # noqa: BLE001 -- logging must never take the run down (logging's own rule)
+            self.handleError(record)
+
+
+def _open_bars() -> bool:
+    tqdm_mod = sys.modules.get("tqdm")
+    instances = getattr(getattr(tqdm_mod, "tqdm", None), "_instances", None)
+    return bool(instances)
+
+
+_handler: TqdmHandler | None = None
+_filter = RankFilter(0)
+
+
+def setup(level: str = "info", rank: int | None = None) -> logging.Logger:
+    """Attach vramfit's handler once; set the level and the rank whose records are printed."""
+    global _handler
+    if _handler is None:
+        _handler = TqdmHandler()
+        _handler.setFormatter(_Formatter())
+        _handler.addFilter(_filter)
+        logger.addHandler(_handler)
+        logger.propagate = False  # one line per record, whatever the application's root logger does
+    if rank is not None:
+        _filter.rank = rank
+    logger.setLevel(level.upper())
+    return logger
+
+
+def gib(n: float | None, digits: int = 1) -> str:
+    """'15.4 GiB' ('-' for None)."""
+    return "-" if n is None else f"{n / GiB:.{digits}f} GiB"
+
+
+def gib_short(n: float | None) -> str:
+    """'0.50G': the compact form of progress lines ('-' for None)."""
+    return "-" if n is None else f"{n / GiB:.2f}G"
+
+
+def mib(n: float | None, digits: int = 0) -> str:
+    return "-" if n is None else f"{n / MiB:.{digits}f} MiB"
+
+
+setup()  # a library user who never calls setup still gets rank-0 lines on stderr

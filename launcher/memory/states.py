@@ -1,0 +1,166 @@
+"""Model-state bytes per profile: weights, gradients, fp32 master copies, optimizer states and buffers,
+on the GPU and the CPU, by phase -- the arithmetic, following what each engine allocates (DeepSpeed 0.19
+``stage_1_and_2.py``/``stage3.py``, torch fused AdamW, FSDP2). Activations are traced
+(:mod:`launcher.memory.trace`); :mod:`launcher.planner` adds them and the fixed costs below.
+
+Per trainable parameter with Adam in mixed precision (the ZeRO paper): 2 B 16-bit weights + 2 B 16-bit
+gradients + 12 B fp32 master, m and v = 16 B, placed on the GPU or the CPU by the profile.
+
+Assumptions, each a named constant and a line of every plan:
+``CUDA_CONTEXT_BYTES`` -- CUDA context, lazily loaded kernel images and the cuBLAS workspace, none of
+which ``torch.cuda.max_memory_allocated`` sees; ``ALLOCATOR_SLACK`` -- the caching allocator's
+reserved-but-unallocated memory (fragmentation, rounding), as a fraction of tensor bytes;
+``CPU_RUNTIME_BYTES`` -- resident size of Python, torch, the CUDA libraries and DeepSpeed before any
+model tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from launcher.log import GiB, MiB
+from launcher.memory.shape import ParamCounts
+from launcher.precision import BYTES
+from launcher.profiles import Profile, bucket_sizes
+
+CUDA_CONTEXT_BYTES = 512 * MiB
+ALLOCATOR_SLACK = 0.10
+CPU_RUNTIME_BYTES = {"cuda": 2 * GiB, "cpu": GiB // 2}
+# NF4 with double quantization (8-bit absmax per 64 weights, fp32 per 256 blocks); int8 + fp32 row scale
+QUANT_BYTES_PER_PARAM = {"4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0 + 4 / 4096}
+OPTIMIZER_BYTES_PER_PARAM = {"adamw": 8, "adamw8bit": 2}  # m and v
+AMP_OPTIMIZER_WORKSPACE = 0  # torch AdamW(fused=True) updates in place; foreach would add 4 B/param
+ZERO3_SUB_GROUP = 1_000_000_000  # DeepSpeed sub_group_size default: fp32 gradient buffer size cap
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """Everything about the run the memory depends on (one per plan; a suggestion changes a copy)."""
+
+    config: object
+    counts: ParamCounts
+    device: str
+    capability: tuple
+    precision: str
+    seq_len: int
+    global_batch: int
+    world: int
+    checkpointing: bool
+    attn_implementation: str
+    lora_r: int
+    lora_targets: tuple
+    lora_dropout: float
+    quantize: str
+    optimizer: str
+    trust_remote_code: bool
+
+    @property
+    def hidden(self) -> int:
+        return int(getattr(self.config, "hidden_size"))
+
+
+def add_part(d: dict, part: str, n: float):
+    if n:
+        d[part] = d.get(part, 0) + int(round(n))
+
+
+def model_states(p: Profile, run: RunShape, accumulation: int) -> dict:
+    """Model-state bytes of profile ``p``: {"gpu_fb", "gpu_step", "cpu", "cpu_load"} part dicts (no activations).
+
+    "gpu_*" is the device the model computes on (the CPU itself when there is no GPU).
+    """
+    c = run.counts
+    cd = BYTES[p.precision]
+    lora = run.lora_r > 0
+    base = c.total  # base-model parameters (frozen under LoRA)
+    trainable = c.adapters if lora else base
+    opt = OPTIMIZER_BYTES_PER_PARAM[run.optimizer]
+    largest_trainable = c.largest_adapter if lora else c.largest_param
+    h = run.hidden
+    rb = bucket_sizes(h)["reduce_bucket_size"]
+    fb: dict = {}
+    step: dict = {}
+    cpu: dict = {}
+
+    def frozen_bytes(dtype_bytes: int) -> float:
+        if run.quantize in QUANT_BYTES_PER_PARAM:
+            return (base - c.linear_weights) * dtype_bytes + c.linear_weights * QUANT_BYTES_PER_PARAM[run.quantize]
+        return base * dtype_bytes
+
+    if p.engine == "amp":
+        w = frozen_bytes(4 if p.precision == "fp32" else cd) + 4 * c.adapters if lora else 4 * base
+        load = w
+        for d in (fb, step):
+            add_part(d, "weights", w)
+            add_part(d, "optimizer_states", opt * trainable)
+        if accumulation > 1:  # earlier micro-batches' gradients live through this one's backward
+            add_part(fb, "gradients", 4 * trainable)
+        add_part(step, "gradients", 4 * trainable)
+        add_part(step, "buffers", AMP_OPTIMIZER_WORKSPACE * trainable)
+        if run.quantize in QUANT_BYTES_PER_PARAM:  # bitsandbytes dequantizes one weight at a time
+            add_part(fb, "buffers", c.largest_module * cd)
+    elif p.engine == "deepspeed" and p.zero_stage == 2:
+        # The module is cast to the compute dtype; trainable params are views into one flat 16-bit buffer.
+        w = (base + c.adapters) * cd if lora else base * cd
+        load = w
+        bucket_bytes = 2 * rb * cd  # ipg double buffer (overlap_comm)
+        for d in (fb, step):
+            add_part(d, "weights", w)
+        add_part(fb, "buffers", bucket_bytes + largest_trainable * cd)  # + autograd's grad before it is bucketed
+        if not p.offload_optimizer:
+            for d in (fb, step):
+                add_part(d, "master_weights", 4 * trainable)
+                add_part(d, "optimizer_states", 8 * trainable)
+                add_part(d, "gradients", cd * trainable)  # grads_in_partition, allocated at the first reduction
+            if cd != 4:
+                add_part(step, "gradients", 4 * trainable)  # the fp32 copy of the flat partition the update reads
+            add_part(step, "buffers", bucket_bytes)
+        else:
+            add_part(fb, "buffers", largest_trainable * cd)  # temp_grad_buffer_for_gpu_offload
+            add_part(step, "buffers", bucket_bytes + largest_trainable * cd)
+            add_part(cpu, "master_weights", 4 * trainable)
+            add_part(cpu, "gradients", 4 * trainable)
+            add_part(cpu, "optimizer_states", 8 * trainable)
+            add_part(cpu, "buffers", cd * trainable + largest_trainable * cd)  # 16-bit update staging, grad staging
+            if accumulation > 1:
+                add_part(cpu, "gradients", cd * trainable)  # accumulated_grads_in_cpu
+    elif p.engine == "deepspeed" and p.zero_stage == 3:
+        # Parameters live partitioned on the CPU; the GPU gathers the module in use plus the prefetch bucket.
+        b = bucket_sizes(h)
+        small = c.small_params
+        live = (c.largest_module + b["stage3_prefetch_bucket_size"]) * cd + small * cd
+        load = (base + c.adapters) * cd
+        for d in (fb, step):
+            add_part(d, "weights", live)
+        add_part(fb, "gradients", min(c.largest_module, trainable) * cd)
+        add_part(fb, "buffers", rb * cd)
+        add_part(cpu, "weights", (base + c.adapters) * cd)
+        add_part(cpu, "gradients", cd * trainable + 4 * min(trainable, ZERO3_SUB_GROUP))
+        add_part(cpu, "master_weights", 4 * trainable)
+        add_part(cpu, "optimizer_states", 8 * trainable)
+    elif p.engine == "fsdp":
+        # FSDP2 + CPUOffloadPolicy (launcher/engines/fsdp.py): fp32 sharded params, fp32 grads and AdamW on
+        # the CPU. Units: input embeddings, each layer, the head (tied embeddings stay in the root with the
+        # final norm). The GPU holds the root and two neighbouring units (the running one and the
+        # prefetched one) in the compute dtype, and one unit's gradients in the compute dtype plus the fp32
+        # copy that is reduced and offloaded.
+        layer = c.per_layer + (c.adapters_per_layer if lora else 0)
+        if c.tied_embeddings:
+            root, pair = c.embeddings + c.other, 2 * layer
+            units = [layer]
+        else:
+            root, pair = c.other, max(2 * layer, c.embeddings + layer, c.head + layer)
+            units = [c.embeddings, layer, c.head]
+        for d in (fb, step):
+            add_part(d, "weights", (root + pair) * cd)
+        largest_trainable_unit = c.adapters_per_layer if lora else max(units)
+        add_part(fb, "gradients", largest_trainable_unit * (cd + 4))
+        load = 4 * (base + c.adapters)
+        add_part(cpu, "weights", 4 * (base + c.adapters))
+        add_part(cpu, "gradients", 4 * trainable)
+        add_part(cpu, "optimizer_states", 8 * trainable)
+    else:
+        raise ValueError(f"no memory model for profile {p.name}")
+    return {"gpu_fb": fb, "gpu_step": step, "cpu": cpu, "cpu_load": int(load)}
+
+

@@ -1,0 +1,59 @@
+"""Run helpers for the tests: tiny runs in a temporary output directory, CLI runs in a subprocess, loss curves
+compared with a stated tolerance (the max and mean relative difference are printed and returned)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# A smaller tiny model and short runs keep the suite inside its time budget on 2 CPU cores.
+FAST = ["train.max_steps=24", "train.warmup_steps=4", "train.micro_batch_size=2", "train.global_batch_size=8",
+        "data.seq_len=32", "data.num_samples=256", "log.every_steps=1000", "sample_tokens=0"]
+
+
+def has_deepspeed() -> bool:
+    from launcher.hardware import deepspeed_status
+
+    return deepspeed_status()[1] is None
+
+
+needs_deepspeed = pytest.mark.skipif(not has_deepspeed(), reason="DeepSpeed is not installed")
+
+
+def run_inprocess(tmp_path, *overrides, hooks=None, fast=True):
+    """Train in this process; returns (summary, metrics rows)."""
+    from launcher.config import load_config
+    from launcher.train import train
+
+    cfg = load_config(None, [*(FAST if fast else []), f"output_dir={tmp_path}", "device=cpu", *overrides])
+    summary = train(cfg, hooks=hooks)
+    rows = [json.loads(ln) for ln in open(os.path.join(summary["run_dir"], "metrics.jsonl"))]
+    return summary, rows
+
+
+def run_cli(*args, env=None, timeout=600, cwd=None):
+    """``python -m launcher ARGS`` in a subprocess; returns CompletedProcess (text)."""
+    e = dict(os.environ)
+    e.pop("RANK", None), e.pop("WORLD_SIZE", None), e.pop("LOCAL_RANK", None), e.pop("MASTER_PORT", None)
+    e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "launcher", *args], capture_output=True, text=True, env=e,
+                          timeout=timeout, cwd=cwd or ROOT)
+
+
+def losses(rows):
+    return [r["loss"] for r in rows]
+
+
+def compare(a, b, name=""):
+    """Max and mean relative difference of two loss curves, printed (the test asserts on them)."""
+    assert len(a) == len(b), f"{name}: {len(a)} vs {len(b)} steps"
+    rel = [abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)]
+    mx, mean = max(rel), sum(rel) / len(rel)
+    print(f"{name}: max rel diff {mx:.3e}, mean rel diff {mean:.3e} over {len(rel)} steps")
+    return mx, mean
