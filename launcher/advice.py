@@ -8,8 +8,8 @@ import copy
 from launcher import planner
 from launcher.config import AUTO, Config
 from launcher.hardware import Hardware
-from launcher.log import gib
 from launcher.presets import PRESETS
+from launcher.units import gib
 
 
 def add_suggestions(plan: planner.Plan, cfg: Config, hw: Hardware, profiles=None, world: int = 1) -> planner.Plan:

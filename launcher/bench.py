@@ -36,11 +36,12 @@ import time
 from launcher import availability, planner
 from launcher.config import AUTO, Config, ConfigError, load_config
 from launcher.hardware import probe
-from launcher.log import GiB
+from launcher.log import logger
 from launcher.monitor import read_csv
 from launcher.plots import plot_bench
 from launcher.presets import PRESETS
 from launcher.profiles import PROFILES
+from launcher.units import GiB
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # keys the benchmark sets on every run; a user's value for them would be overridden, so say so up front
@@ -429,14 +430,14 @@ def main(path: str | None, overrides: list[str], profiles: str | None = None, ou
                         "gpu_budget_bytes": gpu_budget, "cpu_budget_bytes": cpu_budget,
                         "started": time.strftime("%Y-%m-%d %H:%M:%S")}}
     if ignored:
-        print(f"vramfit bench: ignoring {', '.join(ignored)}: the benchmark sets these itself", file=sys.stderr)
-    print(f"vramfit bench: {len(names)} profile(s): {', '.join(names)}; {warmup} warm-up + {steps} timed steps each; "
-          f"output {out}", flush=True)
+        logger.warning(f"bench: ignoring {', '.join(ignored)}: the benchmark sets these itself")
+    logger.info(f"bench: {len(names)} profile(s): {', '.join(names)}; {warmup} warm-up + {steps} timed steps each; "
+                f"output {out}")
 
     def progress_line(r):
         extra = f", {r['tokens_per_s']:.0f} tokens/s" if r.get("tokens_per_s") else ""
         err = f" ({r['error'][:120]})" if r.get("error") else ""
-        print(f"  {r['run']}: {r['status']}{extra}, {r.get('wall_s')} s{err}", flush=True)
+        logger.info(f"bench: {r['run']}: {r['status']}{extra}, {r.get('wall_s')} s{err}")
 
     t0 = time.perf_counter()
     if find:
@@ -464,7 +465,5 @@ def main(path: str | None, overrides: list[str], profiles: str | None = None, ou
             write_outputs(doc, out, with_png=False)
     doc["settings"]["seconds"] = round(time.perf_counter() - t0, 1)
     write_outputs(doc, out)
-    print()
-    print(markdown(doc))
-    print(f"wrote {out}/results.json, results.md, results.png ({doc['settings']['seconds']} s)")
-    return 0 if any(r.get("status") == STATUS_OK for r in doc["results"]) else 1
+    logger.info(f"bench: wrote {out}/results.json, results.md, results.png ({doc['settings']['seconds']} s)")
+    return doc

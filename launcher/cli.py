@@ -129,8 +129,10 @@ def cmd_bench(args) -> int:
     from launcher import bench
 
     path, overrides = _split_config(args.config)
-    return bench.main(path, overrides, profiles=args.profiles, out=args.out, steps=args.steps, warmup=args.warmup,
-                      find=args.find, timeout=args.timeout, candidates=args.candidates)
+    doc = bench.main(path, overrides, profiles=args.profiles, out=args.out, steps=args.steps, warmup=args.warmup,
+                     find=args.find, timeout=args.timeout, candidates=args.candidates)
+    print(bench.markdown(doc))  # the table last, on stdout
+    return 0 if any(r.get("status") == bench.STATUS_OK for r in doc["results"]) else 1
 
 
 def cmd_export(args) -> int:

@@ -15,8 +15,8 @@ import shutil
 import sys
 from dataclasses import asdict, dataclass, field
 
-from launcher.log import GiB, logger
 from launcher.precision import supports_bf16, supports_fp16
+from launcher.units import GiB
 
 
 @dataclass
@@ -117,7 +117,7 @@ def cpu_adam_status(deepspeed_error: str | None) -> str:
         b = CPUAdamBuilder()
         if getattr(b, "is_compatible", lambda verbose=False: True)(False) is False:
             return "unavailable: not compatible with this system"
-        for root, _dirs, files in os.walk(op_cache_dir()):
+        for _root, _dirs, files in os.walk(op_cache_dir()):
             if any(f.startswith("cpu_adam") and f.endswith(".so") for f in files):
                 return "built"
         if shutil.which("ninja") is None and importlib.util.find_spec("ninja") is None:
@@ -175,18 +175,20 @@ def pin_memory_ok(hw: Hardware, pinned_bytes: int) -> tuple[bool, str]:
     return True, "ulimit -l and free RAM allow it"
 
 
-def enforce_gpu_budget(gpu_budget, device) -> None:
+def enforce_gpu_budget(gpu_budget, device) -> str | None:
     """``memory.gpu_budget=GiB`` on a bigger card: cap this process's allocator, so that a 16 GB card can be
-    reproduced on any larger one (allocations past the cap raise OutOfMemoryError like a full card)."""
+    reproduced on any larger one (allocations past the cap raise OutOfMemoryError like a full card).
+    Returns what was done, for the log (None: nothing to do)."""
     import torch
 
     if gpu_budget == "auto":
-        return
+        return None
     total = torch.cuda.get_device_properties(device).total_memory
     budget = float(gpu_budget) * GiB
-    if budget < total:
-        torch.cuda.set_per_process_memory_fraction(budget / total, device)
-        logger.info(f"GPU budget {gpu_budget} GiB enforced: {budget / total:.1%} of {total / GiB:.1f} GiB")
+    if budget >= total:
+        return None
+    torch.cuda.set_per_process_memory_fraction(budget / total, device)
+    return f"GPU budget {gpu_budget} GiB enforced: {budget / total:.1%} of {total / GiB:.1f} GiB"
 
 
 def format_report(hw: Hardware) -> str:

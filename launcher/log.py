@@ -5,8 +5,6 @@
 - Only rank 0 speaks; a record logged with ``extra={"all_ranks": True}`` is printed by every rank.
 - While a tqdm progress bar is up, lines are written through ``tqdm.write`` so they do not tear it.
 - ``log.level`` (debug, info, warning, error) sets the level; :func:`setup` is idempotent.
-
-Also the byte formatters every module shares.
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ import sys
 
 logger = logging.getLogger("vramfit")
 
-KiB, MiB, GiB = 1024, 1024**2, 1024**3
 LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -86,20 +83,6 @@ def setup(level: str = "info", rank: int | None = None) -> logging.Logger:
         _filter.rank = rank
     logger.setLevel(level.upper())
     return logger
-
-
-def gib(n: float | None, digits: int = 1) -> str:
-    """'15.4 GiB' ('-' for None)."""
-    return "-" if n is None else f"{n / GiB:.{digits}f} GiB"
-
-
-def gib_short(n: float | None) -> str:
-    """'0.50G': the compact form of progress lines ('-' for None)."""
-    return "-" if n is None else f"{n / GiB:.2f}G"
-
-
-def mib(n: float | None, digits: int = 0) -> str:
-    return "-" if n is None else f"{n / MiB:.{digits}f} MiB"
 
 
 setup()  # a library user who never calls setup still gets rank-0 lines on stderr

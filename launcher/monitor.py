@@ -42,7 +42,8 @@ import weakref
 import psutil
 import torch
 
-from launcher.log import GiB, MiB, logger
+from launcher.log import logger
+from launcher.units import GiB, MiB
 
 PHASES = ("forward", "backward", "step")  # GPU peaks: the model hooks split forward from backward
 RSS_PHASES = ("forward_backward", "step")  # RSS peaks: split at the optimizer step only (see the docstring)

@@ -28,13 +28,21 @@ from launcher import availability, hfconfig
 from launcher.availability import Availability
 from launcher.config import AUTO, Config
 from launcher.hardware import Hardware
-from launcher.log import GiB, gib
 from launcher.memory.shape import count_params
-from launcher.memory.states import (ALLOCATOR_SLACK, AMP_OPTIMIZER_WORKSPACE, CPU_RUNTIME_BYTES, CUDA_CONTEXT_BYTES,
-                                    QUANT_BYTES_PER_PARAM, RunShape, add_part, model_states)
+from launcher.memory.states import (
+    ALLOCATOR_SLACK,
+    AMP_OPTIMIZER_WORKSPACE,
+    CPU_RUNTIME_BYTES,
+    CUDA_CONTEXT_BYTES,
+    QUANT_BYTES_PER_PARAM,
+    RunShape,
+    add_part,
+    model_states,
+)
 from launcher.memory.trace import ActivationEstimate, TraceSettings, estimate_activations
 from launcher.precision import DTYPES
 from launcher.profiles import PROFILES, Profile
+from launcher.units import GiB, gib
 
 PHASES = ("forward_backward", "optimizer_step")
 
@@ -302,8 +310,9 @@ def plan(cfg: Config, hw: Hardware, profiles: list[str] | None = None, *, world:
     """Plan every profile of the run's precision and choose the fastest one that fits.
 
     ``profiles``: plan only these; default: every profile of the run's precision (and the asked one).
-    When nothing fits, :func:`launcher.advice.add_suggestions` says what would. ``cfg.engine`` restricts the choice to one engine, ``cfg.profile`` to one profile; every listed
-    profile is still planned and reported, with why it cannot be chosen. ``world``: ranks of the run.
+    When nothing fits, :func:`launcher.advice.add_suggestions` says what would. ``cfg.engine`` restricts
+    the choice to one engine, ``cfg.profile`` to one profile; every listed profile is still planned and
+    reported, with why it cannot be chosen. ``world``: ranks of the run.
     """
     t0 = time.perf_counter()
     avail = availability.assess(cfg, hw)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import os
 
-from launcher.log import GiB
 from launcher.monitor import PHASES, RSS_PHASES, read_csv
+from launcher.units import GiB
 
 
 def plot_memory(csv_path: str, out: str, step_peaks=(), predicted_gpu_bytes=None, predicted_cpu_bytes=None,
@@ -122,7 +122,7 @@ def plot_bench(doc: dict, path: str) -> None:
     present = [(key, label, color, [(r.get(key) or 0) / GiB for r in rs]) for key, label, color in series]
     present = [p for p in present if any(p[3])]
     w = 0.8 / max(1, len(present))
-    for k, (key, label, color, vals) in enumerate(present):
+    for k, (_key, label, color, vals) in enumerate(present):
         ax2.bar([i + (k - (len(present) - 1) / 2) * w for i in x], vals, w, label=label, color=color,
                 edgecolor="gray", lw=0.5)
     ax2.set_ylabel("GiB")

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import sys
 
-from launcher.log import gib_short, logger
+from launcher.log import logger
+from launcher.units import gib_short
 
 
 def format_row(r: dict, max_steps: int) -> str:

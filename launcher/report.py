@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from launcher.log import GiB, gib
 from launcher.planner import Plan
-
+from launcher.units import GiB, gib
 
 
 def format_table(plan: Plan) -> str:

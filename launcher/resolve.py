@@ -16,8 +16,8 @@ from launcher import advice, availability, planner
 from launcher.config import AUTO, Config, ConfigError
 from launcher.hardware import Hardware
 from launcher.ladder import Rung
-from launcher.log import gib
 from launcher.profiles import PROFILES, Profile
+from launcher.units import gib
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,7 @@ from launcher.faults import Hooks, StopRequested, diagnose
 from launcher.hardware import Hardware, enforce_gpu_budget, probe
 from launcher.ladder import Rung, next_move
 from launcher.log import logger
-from launcher.models import (build_model, count_params, enable_checkpointing, load_tokenizer, model_config,
-                             weight_dtype)
+from launcher.models import build_model, count_params, enable_checkpointing, load_tokenizer, model_config, weight_dtype
 from launcher.monitor import MemoryMonitor
 from launcher.resolve import RunSpec, resolve
 from launcher.rundir import RunDir, default_run_name, read_json
@@ -93,7 +92,9 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None) -> dict:
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.cuda.reset_peak_memory_stats(device)
-        enforce_gpu_budget(cfg.memory.gpu_budget, device)
+        capped = enforce_gpu_budget(cfg.memory.gpu_budget, device)
+        if capped:
+            logger.info(capped)
     mon = MemoryMonitor.for_run(cfg, rd, device).start()  # memory.csv from here; stopped in the loop's finally
     # ---- model, engine
     engine, model = make_engine(cfg, spec, hw, hf_config, rd)

@@ -110,12 +110,7 @@ stage find_mb 130 $VF bench model.name=$MODEL_A data.seq_len=$SEQ train.micro_ba
   --timeout $RUN_TIMEOUT --out "$OUT/find_mb_16gb"
 # ... and at the same micro-batch: the no-offload profile's largest
 if want equal_mb; then
-  MB=$($PY - "$OUT/find_mb_16gb/results.json" "$NOOFF" <<'EOF' 2>/dev/null
-import json, sys
-rows = json.load(open(sys.argv[1]))["results"]
-print(next((r.get("best_micro_batch") or "" for r in rows if r["profile"] == sys.argv[2]), ""))
-EOF
-  )
+  MB=$($PY scripts/gpu_bench_report.py best-micro-batch "$OUT/find_mb_16gb/results.json" "$NOOFF" 2>/dev/null)
   MB=${MB:-$MB_EQ}
   if [ -n "$MB" ]; then
     stage equal_mb 60 $VF bench model.name=$MODEL_A data.seq_len=$SEQ train.micro_batch_size=$MB \
@@ -138,57 +133,5 @@ else MON="--repeats 2 --steps 30 --warmup 5 model.name=llama-125m data.seq_len=5
 stage monitor 90 $PY scripts/bench_monitor.py --out "$OUT/monitor" $MON
 
 # ---- the short table, last
-$PY - "$OUT" "$NOOFF" "$OFF" <<'EOF'
-import json, os, sys
-
-out, nooff, off = sys.argv[1:4]
-G = 2**30
-def load(name):
-    p = os.path.join(out, name, "results.json")
-    return json.load(open(p))["results"] if os.path.exists(p) else []
-def gib(x): return "-" if not x else f"{x / G:.2f}"
-def tps(x): return "-" if not x else f"{x:.0f}"
-lines = ["", f"# gpu_bench summary ({out})", "", "stages: " + "; ".join(
-    "{} {}".format(*l.split("\t")[:2]) for l in open(os.path.join(out, "stages.tsv")).read().splitlines()[1:]), ""]
-card = load("card")
-if card:
-    lines += ["card: profile | status | tokens/s | ratio | peak GPU GiB | planned GPU GiB | peak CPU GiB"]
-    lines += [f"  {r['profile']} | {r['status']} | {tps(r.get('tokens_per_s'))} | {r.get('ratio_to_fastest') or '-'} | "
-              f"{gib(r.get('peak_gpu_bytes'))} | {gib(r.get('predicted_gpu_bytes'))} | {gib(r.get('peak_cpu_rss_bytes'))}"
-              for r in card]
-fa = {r["profile"]: r for r in load("find_mb_16gb")}
-if fa:
-    a, b = fa.get(nooff, {}), fa.get(off, {})
-    lines += ["", "(a) 16 GB cap, largest micro-batch (measured / planner) and tokens/s there:"]
-    for name, r in ((nooff, a), (off, b)):
-        lines.append(f"  {name}: mb {r.get('best_micro_batch') or '-'} / {r.get('planned_best_micro_batch') or '-'}, "
-                     f"{tps(r.get('tokens_per_s'))} tokens/s, peak GPU {gib(r.get('peak_gpu_bytes'))} GiB")
-    if a.get("tokens_per_s") and b.get("tokens_per_s"):
-        lines.append(f"  offload / no offload, each at its best: {b['tokens_per_s'] / a['tokens_per_s']:.2f}x")
-    eq = load("equal_mb_16gb")
-    if eq and eq[0].get("tokens_per_s") and a.get("tokens_per_s"):
-        lines.append(f"  offload / no offload at micro-batch {eq[0].get('micro_batch')}: "
-                     f"{eq[0]['tokens_per_s'] / a['tokens_per_s']:.2f}x")
-fb = load("find_model_16gb")
-if fb:
-    lines += ["", "(b) 16 GB cap, largest model that trains (measured / planner):"]
-    lines += [f"  {r['profile']}: {r.get('best_model') or '-'} / {r.get('planned_best_model') or '-'}  (tried: "
-              + ", ".join(f"{c['candidate']} {c['status']}" for c in r.get("candidates", [])) + ")" for r in fb]
-c24 = load("card_24gb")
-if c24:
-    lines += ["", "24 GB cap: " + "; ".join(f"{r['profile']} {r['status']} {tps(r.get('tokens_per_s'))} tokens/s, "
-                                           f"peak GPU {gib(r.get('peak_gpu_bytes'))} GiB" for r in c24)]
-mon = os.path.join(out, "monitor", "bench_monitor.json")
-if os.path.exists(mon):
-    m = json.load(open(mon))
-    lines += ["", f"monitor overhead: {m['overhead_pct']:+.2f}% tokens/s (median paired ratio "
-                  f"{m['median_paired_ratio']:.3f}); direct {m['direct']['loop_calls_us_per_step']:.0f} us/step"]
-vp = os.path.join(out, "validate_planner", "validate_planner.json")
-if os.path.exists(vp):
-    v = json.load(open(vp))
-    lines += ["", f"planner validation ({v.get('part')}): max |error| {v.get('max_abs_err_pct')}%"]
-text = "\n".join(lines)
-open(os.path.join(out, "summary.md"), "w").write(text + "\n")
-print(text)
-EOF
+$PY scripts/gpu_bench_report.py summary "$OUT" "$NOOFF" "$OFF"
 echo "gpu_bench: done in ${SECONDS}s; everything is in $OUT"

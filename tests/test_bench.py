@@ -32,7 +32,7 @@ def test_search_finds_the_largest_fitting_candidate_from_any_start():
     cands = [1, 2, 4, 8, 16, 32]
     for limit in (0, 1, 8, 32):  # fits when c <= limit (0: nothing fits)
         for start in range(len(cands)):
-            best, tried = bench.search(cands, start, lambda i: cands[i] <= limit)
+            best, tried = bench.search(cands, start, lambda i, limit=limit: cands[i] <= limit)
             want = max((i for i, c in enumerate(cands) if c <= limit), default=None)
             assert best == want, (limit, start)
             assert len(tried) == len(set(tried))

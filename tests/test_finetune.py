@@ -189,8 +189,8 @@ def test_4bit_cpu_packed_layout_fits_the_test_models(hf):
     import bitsandbytes.functional as F
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from launcher.quantize import quantize_in_place
     from launcher.presets import PRESETS
+    from launcher.quantize import quantize_in_place
 
     models = [AutoModelForCausalLM.from_pretrained(hf[0]),
               AutoModelForCausalLM.from_config(LlamaConfig(**PRESETS["tiny"]))]

@@ -262,8 +262,8 @@ def test_auto_picks_fsdp_when_deepspeed_missing_and_offload_needed():
     DeepSpeed's absence)."""
     from launcher.config import load_config
     from launcher.hardware import GPUInfo, probe
-    from launcher.log import GiB
     from launcher.resolve import resolve
+    from launcher.units import GiB
 
     hw = probe()
     hw.gpus = [GPUInfo(0, "simulated RTX 3070", 8 * GiB, 8 * GiB, (8, 6), fp16=True, bf16=True)]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import run_inprocess
-from launcher.monitor import CSV_COLUMNS, MiB, MemoryMonitor, detect_leak
+from launcher.monitor import CSV_COLUMNS, MemoryMonitor, MiB, detect_leak
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -15,11 +15,10 @@ import torch
 from launcher import advice, planner, report
 from launcher.config import load_config
 from launcher.hardware import GPUInfo, Hardware
-from launcher.log import GiB
 from launcher.memory.shape import build_meta_model, count_params
-
 from launcher.memory.trace import TraceSettings, enable_checkpointing, estimate_activations, measure_step, trace_depth
 from launcher.targets import adapted as lora_target_names
+from launcher.units import GiB
 
 
 @pytest.fixture(autouse=True)

@@ -14,9 +14,9 @@ import torch
 
 from helpers import FAST, ROOT, compare, losses, needs_deepspeed, run_inprocess
 from launcher.config import ConfigError
+from launcher.faults import Hooks
 from launcher.ladder import Rung, next_move
 from launcher.profiles import PROFILES
-from launcher.faults import Hooks
 
 STEPS = ["train.max_steps=12", "train.warmup_steps=2", "checkpoint.every_steps=4"]
 

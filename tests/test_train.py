@@ -107,10 +107,9 @@ def test_existing_run_is_never_overwritten(tmp_path):
 @pytest.mark.gpu
 @needs_deepspeed
 def test_fp16_deepspeed_on_gpu(tmp_path):
+    from helpers import FAST
     from launcher.config import load_config
     from launcher.train import train
-
-    from helpers import FAST
 
     cfg = load_config(None, [*FAST, f"output_dir={tmp_path}", "profile=zero2-fp16", "run_name=g"])
     s = train(cfg)

@@ -24,8 +24,7 @@ import json
 import os
 
 from launcher.config import Config, ConfigError
-from launcher.data.tokens import (IGNORE, TokenData, pad_rows, pad_id, tokenize_chats, tokenize_pairs,
-                                   tokenize_text)
+from launcher.data.tokens import IGNORE, TokenData, pad_id, pad_rows, tokenize_chats, tokenize_pairs, tokenize_text
 from launcher.log import logger
 
 EXTENSIONS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}

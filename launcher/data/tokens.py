@@ -28,7 +28,7 @@ class TokenData:
         idx = torch.as_tensor(indices, dtype=torch.long)
         return {"input_ids": self.input_ids[idx], "labels": self.labels[idx]}
 
-    def split(self, eval_fraction: float, seed: int) -> tuple["TokenData", "TokenData | None"]:
+    def split(self, eval_fraction: float, seed: int) -> tuple[TokenData, TokenData | None]:
         if eval_fraction <= 0 or len(self) < 2:
             return self, None
         n_eval = max(1, int(round(len(self) * eval_fraction)))

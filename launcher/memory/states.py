@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from launcher.log import GiB, MiB
 from launcher.memory.shape import ParamCounts
 from launcher.precision import BYTES
 from launcher.profiles import Profile, bucket_sizes
+from launcher.units import GiB, MiB
 
 CUDA_CONTEXT_BYTES = 512 * MiB
 ALLOCATOR_SLACK = 0.10
@@ -56,7 +56,7 @@ class RunShape:
 
     @property
     def hidden(self) -> int:
-        return int(getattr(self.config, "hidden_size"))
+        return int(self.config.hidden_size)
 
 
 def add_part(d: dict, part: str, n: float):

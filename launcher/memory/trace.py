@@ -55,8 +55,15 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from launcher.memory.shape import (ALL_LINEAR, base_model, build_meta_model, config_key, decoder_layers, num_layers,
-                                   with_depth)
+from launcher.memory.shape import (
+    ALL_LINEAR,
+    base_model,
+    build_meta_model,
+    config_key,
+    decoder_layers,
+    num_layers,
+    with_depth,
+)
 
 # ------------------------------------------------------------------------------------------------
 # Autocast policy (names of torch functions), after torch's autocast_mode.cpp op lists.
