@@ -9,7 +9,7 @@ import tomllib
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 
 DOCKERFILE = os.path.join(ROOT, "Dockerfile")
 
