@@ -1,15 +1,36 @@
 #!/usr/bin/env bash
 # Set up from nothing: a virtual environment in .venv, torch, vramfit with its extras, and DeepSpeed's
 # JIT-compiled ops built once (a few minutes the first time, cached in .venv/var/torch_extensions).
-#   EXTRAS   which extras to install (default: deepspeed,quant,test)
-#   PYTHON   the interpreter that makes the venv (default: python3, 3.10 or newer)
+# Every version comes from requirements/lock.txt, the versions CI tested (scripts/lock.sh writes it).
+#   EXTRAS        which extras to install (default: deepspeed,quant,test)
+#   PYTHON        the interpreter that makes the venv (default: python3; 3.11 or 3.12)
+#   VENV          where the venv goes (default: .venv)
+#   VRAMFIT_LOCK  the constraints file (default: requirements/lock.txt); `none` installs the newest versions
+#                 pyproject.toml allows instead (to try an upgrade, then rerun the tests and scripts/lock.sh);
+#                 requirements/floors.txt gives the oldest allowed (scripts/test_floors.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 EXTRAS=${EXTRAS:-deepspeed,quant,test}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-# The same pin gives the CPU build here and the CUDA build on a CUDA machine; pyproject asks torch>=2.4.
-.venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e ".[${EXTRAS}]"
-if [[ ",${EXTRAS}," == *",deepspeed,"* ]]; then .venv/bin/vramfit doctor --build-ops; fi
+VENV=${VENV:-.venv}
+LOCK=${VRAMFIT_LOCK:-requirements/lock.txt}
+[ "$LOCK" = none ] || [ -f "$LOCK" ] || { echo "setup: VRAMFIT_LOCK=$LOCK: no such file (or none)" >&2; exit 2; }
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+[ -e "$VENV/.gitignore" ] || echo '*' > "$VENV/.gitignore"  # git ignores the venv wherever it is (as Python 3.13's venv does)
+"$VENV/bin/python" -m pip install -q --upgrade pip
+# torch first, at the lock's pin even with VRAMFIT_LOCK=none: the same pin gives the CPU build here and the
+# CUDA build on a CUDA machine, and any other version is a multi-GB download that DeepSpeed's ops must match.
+TORCH_PINS=$LOCK
+[ "$LOCK" != none ] || TORCH_PINS=requirements/lock.txt
+"$VENV/bin/python" -m pip install -q -c "$TORCH_PINS" torch
+if [ "$LOCK" = none ]; then
+  pins=$(mktemp)
+  grep '^torch==' requirements/lock.txt > "$pins"
+  "$VENV/bin/python" -m pip install -q --upgrade --upgrade-strategy eager -c "$pins" -e ".[${EXTRAS}]"
+  rm -f "$pins"
+else
+  # pip moves anything already installed to the pinned version, so an old venv ends up like a new one
+  "$VENV/bin/python" -m pip install -q -c "$LOCK" -e ".[${EXTRAS}]"
+fi
+echo "$LOCK" > "$VENV/vramfit-lock"  # what the tests compare the environment with (tests/test_install.py)
+if [[ ",${EXTRAS}," == *",deepspeed,"* ]]; then "$VENV/bin/vramfit" doctor --build-ops; fi
