@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from launcher import hfconfig, lora, quantize
+from launcher import checkpointing, hfconfig, lora, quantize
 from launcher.config import Config, ConfigError
 from launcher.hfconfig import is_local
 from launcher.log import logger
@@ -112,15 +112,9 @@ def build_model(cfg: Config, dtype: torch.dtype = torch.float32, hf_config=None,
     return model
 
 
-def enable_checkpointing(model) -> None:
-    """Non-reentrant activation checkpointing. It works with frozen bases and LoRA without the trick the
-    reentrant variant needs (inputs that require grad); transformers adds that hook anyway, harmlessly."""
-    kw = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.x: the old name warns
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
-    model.config.use_cache = False
+def enable_checkpointing(model, every: int = 1) -> None:
+    """Activation checkpointing on every ``every``-th decoder layer (:mod:`launcher.checkpointing`)."""
+    checkpointing.enable(model, every)
 
 
 def _numel(p) -> int:

@@ -44,15 +44,15 @@ def tiny_configs():
     }
 
 
-def real_and_meta(cfg, attn="eager", dtype=torch.float32, checkpointing=False):
+def real_and_meta(cfg, attn="eager", dtype=torch.float32, checkpointing=False, every=1):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     real = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype)
     meta = build_meta_model(cfg, attn_implementation=attn, dtype=dtype)
     if checkpointing:
-        enable_checkpointing(real)
-        enable_checkpointing(meta)
+        enable_checkpointing(real, every)
+        enable_checkpointing(meta, every)
     real.train()
     meta.train()
     return real, meta
@@ -70,10 +70,15 @@ def fake_hw(gpu_gib=16.0, ram_gib=32.0, capability=(7, 5), deepspeed="0.19.8", b
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "neox"])
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
-def test_meta_trace_equals_real_cpu_run(arch, checkpointing):
+@pytest.mark.parametrize("checkpointing,every", [(False, 1), (True, 1), (True, 2)],
+                         ids=["plain", "checkpointing", "every-2nd-layer"])
+def test_meta_trace_equals_real_cpu_run(arch, checkpointing, every):
     cfg = tiny_configs()[arch]
-    real, meta = real_and_meta(cfg, checkpointing=checkpointing)
+    real, meta = real_and_meta(cfg, checkpointing=checkpointing, every=every)
+    if every > 1:
+        from launcher.checkpointing import checkpointed_layers
+
+        assert checkpointed_layers(real) == checkpointed_layers(meta) == [True, False]
     for seq in (16, 48):
         ids = torch.randint(0, cfg.vocab_size, (2, seq))
         r = measure_step(real, ids, target="cpu")
@@ -123,19 +128,49 @@ def test_fused_attention_emulation_matches_cpu_sdpa():
     assert math.saved_total > m.saved_total  # the math fallback keeps the attention matrix
 
 
-@pytest.mark.parametrize("checkpointing,autocast", [(False, None), (True, torch.bfloat16)])
-def test_depth_extrapolation_is_exact(checkpointing, autocast):
+@pytest.mark.parametrize("checkpointing,autocast,every,layers", [(False, None, 1, 6), (True, torch.bfloat16, 1, 6),
+                                                                   (True, None, 2, 6), (True, None, 3, 7)])
+def test_depth_extrapolation_is_exact(checkpointing, autocast, every, layers):
+    """Memory and the op record of the full depth, from two shallow traces (every k-th layer checkpointed:
+    linear per k layers)."""
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=6,
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2)
     s = TraceSettings(batch_size=2, seq_len=64, autocast_dtype=autocast, gradient_checkpointing=checkpointing,
-                      attention_kernel="flash")
+                      checkpoint_every=every, attention_kernel="flash")
     est = estimate_activations(cfg, s)
-    full = trace_depth(cfg, 6, s)
+    full = trace_depth(cfg, layers, s)
     assert est.peak == full.peak
     assert est.peak_with_grads == full.peak_with_grads
     assert est.saved["layers"] == full.saved_layers
+    assert est.ops == full.ops
+
+
+def test_op_record_counts_the_work():
+    """The time model's input: forward + backward matmul FLOPs are 6 x parameters x tokens for the linear
+    layers (plus the attention kernel's); recompute adds the checkpointed layers' forward once more."""
+    from launcher.presets import preset_config
+
+    cfg = preset_config("tiny")
+    s = TraceSettings(batch_size=2, seq_len=64, target="cpu", attention_kernel="flash")
+    plain = estimate_activations(cfg, s)
+    ckpt = estimate_activations(cfg, TraceSettings(**{**s.__dict__, "gradient_checkpointing": True}))
+
+    def flops(ops, kind):
+        return sum(c * f for (k, _d, f, _b), c in ops.items() if k == kind)
+
+    tokens = 2 * 64
+    linear = sum(p.numel() for n, p in build_meta_model(cfg).named_parameters() if n.endswith("proj.weight")
+                 or n == "lm_head.weight")
+    assert flops(plain.ops, "matmul") == 6 * linear * tokens
+    # Recompute runs each checkpointed layer's forward again, up to the last tensor backward needs:
+    # non-reentrant checkpointing stops early (torch.utils.checkpoint), so down_proj, whose output no
+    # backward reads, is not run again: q, k, v, o, gate and up are.
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    recomputed = 2 * tokens * cfg.num_hidden_layers * (4 * h * h + 2 * h * i)
+    assert flops(ckpt.ops, "matmul") - flops(plain.ops, "matmul") == recomputed
+    assert flops(ckpt.ops, "attention") > flops(plain.ops, "attention") > 0
 
 
 def test_other_architectures_trace_on_meta():

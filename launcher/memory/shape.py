@@ -111,6 +111,12 @@ class ParamCounts:
     small_params: int  # parameters in tensors of <= 10 x hidden elements (ZeRO-3 keeps them on the GPU)
     num_layers: int
     tied_embeddings: bool
+    tensors: int = 0  # parameter tensors of the model (optimizers, clipping and engines pay per tensor)
+    adapter_tensors: int = 0  # LoRA tensors (two per adapted layer)
+
+    @property
+    def trainable_tensors(self) -> int:
+        return self.adapter_tensors if self.adapters else self.tensors
 
     @property
     def frozen(self) -> int:
@@ -139,12 +145,13 @@ def _count_one(model: nn.Module, lora_r: int, lora_targets) -> dict:
     for mod in layers.modules():
         if is_linear(mod):
             linear += mod.weight.numel()
-    adapters = largest_adapter = 0
+    adapters = largest_adapter = adapter_tensors = 0
     if lora_r:
         for name in adapted(model, lora_targets):
             mod = model.get_submodule(name)
             i, o = linear_in_out(mod)
             adapters += lora_r * (i + o)
+            adapter_tensors += 2  # lora_A and lora_B
             largest_adapter = max(largest_adapter, lora_r * max(i, o))
     largest_module = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
     threshold = 10 * int(getattr(model.config, "hidden_size", 0) or 0)
@@ -152,7 +159,8 @@ def _count_one(model: nn.Module, lora_r: int, lora_targets) -> dict:
                 other=total - n(emb_ids) - n(layer_ids) - n(head_ids), linear_weights=linear,
                 adapters=adapters, largest_param=max(p.numel() for p in params.values()),
                 largest_module=largest_module, largest_adapter=largest_adapter,
-                small_params=sum(p.numel() for p in params.values() if p.numel() <= threshold), tied=tied)
+                small_params=sum(p.numel() for p in params.values() if p.numel() <= threshold), tied=tied,
+                tensors=len(params), adapter_tensors=adapter_tensors)
 
 
 _COUNT_CACHE: dict = {}
@@ -183,7 +191,8 @@ def _count(config, lora_r: int, lora_targets: tuple, trust_remote_code: bool) ->
                        largest_param=max(one["largest_param"], two["largest_param"]),
                        largest_module=max(one["largest_module"], two["largest_module"]),
                        largest_adapter=max(one["largest_adapter"], two["largest_adapter"]),
-                       small_params=ext("small_params"), num_layers=full, tied_embeddings=bool(one["tied"]))
+                       small_params=ext("small_params"), num_layers=full, tied_embeddings=bool(one["tied"]),
+                       tensors=ext("tensors"), adapter_tensors=ext("adapter_tensors"))
 
 
 def count_params(config, lora_r: int = 0, lora_targets=(ALL_LINEAR,), trust_remote_code: bool = False) -> ParamCounts:

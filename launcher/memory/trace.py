@@ -46,7 +46,7 @@ import contextlib
 import functools
 import time
 import weakref
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -54,7 +54,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.flop_counter import flop_registry
 
+from launcher import checkpointing
 from launcher.memory.shape import (
     ALL_LINEAR,
     base_model,
@@ -118,7 +120,7 @@ class _FusedAttention(torch.autograd.Function):
     log-sum-exp per query row. Values are not computed (this is for meta tensors and measurement)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, lse_len: int, accum_dq: bool):
+    def forward(ctx, q, k, v, lse_len: int, accum_dq: bool, causal: bool = False):
         if q.dim() == 4:  # the kernels write (batch, seq, heads, dim) and return it transposed
             b, h, s, _ = q.shape
             out = q.new_empty((b, s, h, v.shape[-1])).transpose(1, 2)
@@ -127,23 +129,26 @@ class _FusedAttention(torch.autograd.Function):
         lse = q.new_empty(q.shape[:-2] + (lse_len,), dtype=torch.float32)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.accum_dq = accum_dq
+        ctx.causal = causal
+        _record_attention(q, k, v, ctx.causal, backward=False)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
+        _record_attention(q, k, v, ctx.causal, backward=True)
         delta = torch.empty_like(lse)  # rowsum(dO * O), fp32, both kernels
         dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device) if ctx.accum_dq else None
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         del delta, dq_accum
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                      enable_gqa=False, *, target: str, kernel: str):
     s = query.shape[-2]
     lse_len = -(-s // 32) * 32 if kernel == "efficient" else s
-    out = _FusedAttention.apply(query, key, value, lse_len, kernel == "flash" and target == "cuda")
+    out = _FusedAttention.apply(query, key, value, lse_len, kernel == "flash" and target == "cuda", bool(is_causal))
     if attn_mask is not None and attn_mask.requires_grad:  # a learned bias keeps its own gradient path
         out = out + 0 * attn_mask.sum()
     return out
@@ -212,6 +217,61 @@ class _FunctionMode(TorchFunctionMode):
 # The live-storage timeline
 
 
+# An op of the traced step, for the step-time model (launcher/steptime.py): (kind, dtype, FLOPs, bytes).
+# kind: 'matmul' (ops torch's FLOP counter has a formula for), 'attention' (a fused SDPA kernel, emulated
+# below), 'view' (returns an alias of an input: no kernel, no bytes) or 'memory' (everything else:
+# elementwise, reductions, copies, casts, priced by the bytes its tensors hold: read inputs, written outputs).
+OpKey = tuple
+_aten = torch.ops.aten
+# Allocations without a kernel of their own (the kernels that fill them are counted).
+_NO_KERNEL = {_aten.empty, _aten.empty_like, _aten.empty_strided, _aten.new_empty, _aten.new_empty_strided}
+
+
+def _nbytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def _op_key(func, args, kwargs, out, outs) -> OpKey:
+    packet = func.overloadpacket
+    ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    dtype = str((ins or outs)[0].dtype).replace("torch.", "") if (ins or outs) else ""
+    if packet in flop_registry:
+        try:
+            flops = int(flop_registry[packet](*args, **kwargs, out_val=out))
+        except Exception:  # noqa: BLE001 -- a formula that does not take these arguments: price it by bytes
+            flops = 0
+        if flops:
+            return ("matmul", dtype, flops, _nbytes(ins) + _nbytes(outs))
+    returns = func._schema.returns
+    if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
+        return ("view", dtype, 0, 0)
+    return ("memory", dtype, 0, _nbytes(ins) + _nbytes(outs))
+
+
+_ATTENTION_OPS: list = []  # the Counter of the step being traced, for the emulated attention kernel
+
+
+def _record_attention(q, k, v, causal: bool, backward: bool) -> None:
+    """A fused SDPA kernel's work: QK^T and PV in forward, 2.5x that in backward (five matmuls to two),
+    as torch's ``sdpa_flop_count``/``sdpa_backward_flop_count`` count it, computed here for grouped-query
+    attention too (k and v may have fewer heads); a causal kernel skips the masked half of the blocks."""
+    if not _ATTENTION_OPS:
+        return
+    b, h, s_q, d = q.shape[0], q.shape[-3] if q.dim() == 4 else 1, q.shape[-2], q.shape[-1]
+    s_k, d_v = k.shape[-2], v.shape[-1]
+    flops = 2 * b * h * s_q * s_k * (d + d_v)
+    if causal:
+        flops = flops * (s_k + 1) // (2 * s_k)
+    qkv = _nbytes((q, k, v))
+    out = b * h * s_q * d_v * q.element_size()
+    lse = b * h * s_q * 4
+    if backward:
+        flops, nbytes = int(2.5 * flops), qkv + 2 * out + lse + qkv  # read q, k, v, out, dout, lse; write dq, dk, dv
+    else:
+        nbytes = qkv + out + lse
+    _ATTENTION_OPS[-1][("attention", str(q.dtype).replace("torch.", ""), int(flops), int(nbytes))] += 1
+
+
 class _Tracker(TorchDispatchMode):
     """Live bytes of every storage created while active, by the category current at its creation."""
 
@@ -225,12 +285,16 @@ class _Tracker(TorchDispatchMode):
         self.segment = "forward"
         # per segment (forward, head_bwd, body_bwd): [peak, parts at it, peak with grads, parts at it]
         self.segments: dict[str, list] = {}
+        self.ops: Counter = Counter()  # OpKey -> how many times the step dispatched it (the time model's input)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.track(t)
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        for t in outs:
+            self.track(t)
+        if func.overloadpacket not in _NO_KERNEL:
+            self.ops[_op_key(func, args, kwargs, out, outs)] += 1
         return out
 
     def track(self, t: torch.Tensor, category: str | None = None):
@@ -294,6 +358,7 @@ class StepTrace:
     segments: dict[str, dict] = field(default_factory=dict)
     param_grads: int = 0  # bytes of all parameter gradients after backward
     seconds: float = 0.0
+    ops: dict = field(default_factory=dict)  # OpKey -> count: every op of the forward + backward (recompute too)
 
     @property
     def peak(self) -> int:
@@ -468,6 +533,7 @@ def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: t
         if p.requires_grad:
             hooks.append(p.register_post_accumulate_grad_hook(on_grad))
 
+    _ATTENTION_OPS.append(tracker.ops)
     try:
         with _no_packed_sequence_probe(), tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             autocast = (torch.autocast(autocast_policy, dtype=autocast_dtype) if real_autocast and autocast_dtype
@@ -486,6 +552,7 @@ def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: t
             loss.backward()
             del loss
     finally:
+        _ATTENTION_OPS.pop()
         for h in hooks:
             h.remove()
         for layer in restore:
@@ -496,7 +563,7 @@ def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: t
     segments = {k: {"peak": v[0], "parts": v[1], "peak_with_grads": v[2], "parts_with_grads": v[3]}
                 for k, v in tracker.segments.items()}
     return StepTrace(saved=dict(saved), autocast_cache=autocast_cache, segments=segments,
-                     param_grads=sum(grads.values()), seconds=time.perf_counter() - t0)
+                     param_grads=sum(grads.values()), seconds=time.perf_counter() - t0, ops=dict(tracker.ops))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -516,6 +583,7 @@ class TraceSettings:
     attn_implementation: str = "sdpa"
     attention_kernel: str = "math"  # 'math' | 'flash' | 'efficient' (for sdpa)
     gradient_checkpointing: bool = False
+    checkpoint_every: int = 1  # with checkpointing: every k-th decoder layer recomputes (1 = all)
     lora_r: int = 0
     lora_targets: tuple = (ALL_LINEAR,)
     lora_dropout: float = 0.0
@@ -538,9 +606,11 @@ class ActivationEstimate:
     peak_with_grads_segment: str
     param_grads: int
     trace_seconds: float
+    ops: dict = field(default_factory=dict)  # OpKey -> count at full depth (counts extrapolated, may be fractional)
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        d.pop("ops")
         s = d["settings"]
         for k in ("param_dtype", "adapter_dtype", "autocast_dtype"):
             s[k] = None if s[k] is None else str(s[k]).replace("torch.", "")
@@ -554,15 +624,9 @@ def _group_saved(saved: dict[str, int]) -> dict[str, int]:
     return out
 
 
-def enable_checkpointing(model: nn.Module):
-    """Gradient checkpointing the way transformers does it by default (non-reentrant, every layer)."""
-    base = base_model(model)
-    enable = getattr(base, "activation_checkpointing_enable", None) or base.gradient_checkpointing_enable
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        enable()
+def enable_checkpointing(model: nn.Module, every: int = 1):
+    """Gradient checkpointing as the run does it (non-reentrant; every ``every``-th layer)."""
+    checkpointing.enable(model, every)
 
 
 def trace_depth(config, depth: int, s: TraceSettings, trust_remote_code: bool = False) -> StepTrace:
@@ -572,7 +636,7 @@ def trace_depth(config, depth: int, s: TraceSettings, trust_remote_code: bool = 
                              lora_dropout=s.lora_dropout, adapter_dtype=s.adapter_dtype or s.param_dtype,
                              trust_remote_code=trust_remote_code)
     if s.gradient_checkpointing:
-        enable_checkpointing(model)
+        enable_checkpointing(model, s.checkpoint_every)
     model.train()
     ids = torch.zeros(s.batch_size, s.seq_len, dtype=torch.long, device="meta")
     return measure_step(model, ids, autocast_dtype=s.autocast_dtype, autocast_policy=s.target,
@@ -590,13 +654,17 @@ def estimate_activations(config, settings: TraceSettings, trust_remote_code: boo
         return _ESTIMATES[key]
     full = num_layers(config)
     # Depths 2 and 3 (not 1 and 2): from 2 layers on, the top and the bottom layer are different layers,
-    # so every segment means the same thing in both traces and each part is linear in depth.
-    lo = min(full, 2)
+    # so every segment means the same thing in both traces and each part is linear in depth. With every
+    # k-th layer checkpointed the step is linear per k layers: the depths are then lo and lo + k, lo >= 2
+    # and congruent to the full depth modulo k, so the top layer is checkpointed or not as in the model.
+    period = settings.checkpoint_every if settings.gradient_checkpointing and settings.checkpoint_every > 1 else 1
+    lo = 2 + (full - 2) % period if full > 2 else full
     one = trace_depth(config, lo, settings, trust_remote_code)
-    two = trace_depth(config, lo + 1, settings, trust_remote_code) if full > lo else one
+    two = trace_depth(config, lo + period, settings, trust_remote_code) if full > lo else one
+    reps = (full - lo) // period
 
     def ext(a: int, b: int) -> int:
-        return a + (full - lo) * (b - a)
+        return a + reps * (b - a)
 
     def ext_dict(a: dict, b: dict) -> dict:
         return {k: v for k in sorted(set(a) | set(b)) if (v := ext(a.get(k, 0), b.get(k, 0)))}
@@ -615,10 +683,12 @@ def estimate_activations(config, settings: TraceSettings, trust_remote_code: boo
     s1, s2 = _group_saved(one.saved), _group_saved(two.saved)
     est = ActivationEstimate(
         settings=settings, num_layers=full, saved=ext_dict(s1, s2),
-        saved_per_layer=(s2["layers"] - s1["layers"]) if full > lo else s1["layers"] // full,
+        saved_per_layer=(s2["layers"] - s1["layers"]) // period if full > lo else s1["layers"] // full,
         autocast_cache=ext(one.autocast_cache, two.autocast_cache),
         peak=segs[top][0], peak_parts=segs[top][1], peak_segment=top,
         peak_with_grads=segs[top_g][2], peak_with_grads_parts=segs[top_g][3], peak_with_grads_segment=top_g,
-        param_grads=ext(one.param_grads, two.param_grads), trace_seconds=one.seconds + two.seconds)
+        param_grads=ext(one.param_grads, two.param_grads), trace_seconds=one.seconds + two.seconds,
+        ops={k: c for k in set(one.ops) | set(two.ops) if (c := one.ops.get(k, 0) + reps * (two.ops.get(k, 0)
+                                                                                            - one.ops.get(k, 0)))})
     _ESTIMATES[key] = est
     return est

@@ -1,0 +1,44 @@
+"""Activation (gradient) checkpointing on Hugging Face decoder models: all layers, or every k-th layer.
+
+Non-reentrant: it works with frozen bases and LoRA without the trick the reentrant variant needs (inputs
+that require grad). Every k-th layer spends leftover memory on speed: the layers in between keep their
+activations and skip the recompute (torchtune's ``ac_option``). transformers >= 5.24 does it itself
+(``every_n_layers``); on older versions the same flags are set here, layer by layer: layer ``i`` is
+checkpointed when ``i % k == 0``, as transformers counts.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+from torch import nn
+
+
+def enable(model: nn.Module, every: int = 1) -> None:
+    """Checkpoint every ``every``-th decoder layer of ``model`` (a transformers or peft model)."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    kw = {"use_reentrant": False}
+    new = getattr(base, "activation_checkpointing_enable", None)  # transformers 5.x; the old name warns
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        if new is not None and "every_n_layers" in inspect.signature(new).parameters:
+            new(activation_checkpointing_kwargs=kw, every_n_layers=every)
+        else:
+            (new or base.gradient_checkpointing_enable)(kw)
+            if every > 1:
+                for i, layer in enumerate(_layers(base)):
+                    layer.gradient_checkpointing = i % every == 0
+    base.config.use_cache = False
+
+
+def checkpointed_layers(model: nn.Module) -> list[bool]:
+    """Which decoder layers recompute in backward (for tests and the log)."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    return [bool(getattr(layer, "gradient_checkpointing", False)) for layer in _layers(base)]
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]

@@ -1,0 +1,262 @@
+"""The step-time model: how long one optimizer step of a planned run takes, by named part. Pure.
+
+A step is ``accumulation`` micro-batches of forward + backward, then the optimizer step. Its parts:
+
+- ``compute``: every op of one traced forward + backward (:mod:`launcher.memory.trace` records each
+  dispatched ATen op with its FLOPs -- torch's own FLOP formulas, ``torch.utils.flop_counter`` -- and the
+  bytes it reads and writes), recompute of checkpointed layers included, priced by a roofline per op:
+  ``max(flops / matmul or attention rate, bytes / memory bandwidth)``, plus the fixed cost of an op in a
+  training step (dispatch, autograd, kernel launch; a view op costs its own smaller fixed cost). On a
+  CPU the fixed costs and the work add up (one thread of control does both); on a GPU the host runs
+  ahead of the device, so each op costs ``max(device time, host cost)``.
+- ``optimizer``: AdamW's update of every trainable parameter, priced per parameter and per tensor
+  by the measured speed of the optimizer the profile runs (torch fused AdamW, DeepSpeed's FusedAdam or
+  DeepSpeedCPUAdam), on the device the profile runs it on.
+- ``grad_copies`` / ``weight_copies``: what each profile moves between GPU and CPU (ZeRO-2 optimizer
+  offload: gradients down every micro-batch, the updated 16-bit weights up after the step; ZeRO-3
+  offload-all: 16-bit weights up for every forward and again for every backward, gradients down; FSDP2
+  CPU offload: each unit's fp32 shard up for forward and for backward, its fp32 gradient down), over
+  the measured host-device bandwidth (pinned or pageable, as the run pins). Which of them overlap
+  compute follows each engine's source (rules at :data:`OVERLAP`).
+- ``engine``: each engine's own fixed cost per micro-batch and per step (hooks, bucketing, bookkeeping),
+  measured on this machine by ``vramfit doctor --calibrate`` on models so small that nothing else costs.
+- ``memory_traffic``: the engine's own passes over gradients and weights on the compute device (ZeRO's
+  fp32 gradient copy, clipping, the copy of the fp32 master back to 16 bits; FSDP's per-unit casts).
+
+Every rate comes from :class:`Machine`: measured by ``vramfit doctor --calibrate`` (:mod:`launcher.calibrate`)
+or, for a GPU that is not here, a data sheet (:mod:`launcher.gpus`). Nothing is fitted to measured steps.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import asdict, dataclass, field
+
+from launcher.profiles import Profile
+
+# ------------------------------------------------------------------------------------------------
+# What a machine does per second
+
+
+@dataclass(frozen=True)
+class Rates:
+    """One device's speeds. ``matmul``: per dtype, (FLOPs of one matmul, FLOP/s reached), ascending in
+    FLOPs (small matmuls reach less of the peak; between points the rate is interpolated log-log)."""
+
+    device: str  # 'cpu' | 'cuda'
+    matmul: dict = field(default_factory=dict)  # dtype name -> [[flops, flop_per_s], ...]
+    attention: dict = field(default_factory=dict)  # dtype name -> flop/s of the fused attention kernel
+    memory_bytes_per_s: float = 1e10  # elementwise: bytes read + written per second
+    op_s: float = 0.0  # fixed cost of one kernel op inside a training step
+    view_s: float = 0.0  # fixed cost of one view op (no kernel)
+
+    def matmul_rate(self, dtype: str, flops: float) -> float:
+        curve = self.matmul.get(dtype) or self.matmul.get("float32") or [[1.0, 1e11]]
+        xs = [c[0] for c in curve]
+        i = bisect.bisect_left(xs, flops)
+        if i == 0:
+            return curve[0][1]
+        if i == len(curve):
+            return curve[-1][1]
+        (f0, r0), (f1, r1) = curve[i - 1], curve[i]
+        t = (math.log(flops) - math.log(f0)) / (math.log(f1) - math.log(f0))
+        return math.exp(math.log(r0) + t * (math.log(r1) - math.log(r0)))
+
+    def attention_rate(self, dtype: str) -> float:
+        if dtype in self.attention:
+            return self.attention[dtype]
+        return self.matmul_rate(dtype, float("inf"))
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The speeds the step-time model needs, for the machine that trains (or the GPU one would rent)."""
+
+    name: str  # e.g. 'cpu: AMD EPYC (2 threads)' or 'NVIDIA T4 (data sheet)'
+    source: str  # how the numbers were obtained, for the plan's assumptions
+    compute: Rates  # where forward and backward run
+    host: Rates  # the CPU (offloaded optimizer steps, host copies)
+    h2d_bytes_per_s: dict = field(default_factory=dict)  # {'pinned': B/s, 'pageable': B/s}
+    d2h_bytes_per_s: dict = field(default_factory=dict)
+    optimizers: dict = field(default_factory=dict)  # kind -> [seconds per parameter, seconds per tensor]
+    engines: dict = field(default_factory=dict)  # family -> {'micro_s', 'micro_tensor_s', 'step_s', 'step_tensor_s'}
+    disk_write_bytes_per_s: float | None = None
+    threads: int = 1
+    measured: dict = field(default_factory=dict)  # anything else recorded (dates, versions, raw samples)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Machine:
+        d = dict(d)
+        d["compute"], d["host"] = Rates(**d["compute"]), Rates(**d["host"])
+        return cls(**d)
+
+
+# ------------------------------------------------------------------------------------------------
+# Which engine does what
+
+
+# Engine families for fixed costs and optimizer kinds.
+def family(p: Profile) -> str:
+    if p.engine == "deepspeed":
+        if p.zero_stage >= 3:
+            return "zero3_offload" if p.offload_param else "zero3"
+        return "zero2_offload" if p.offload_optimizer else "zero2"
+    return p.engine  # 'amp' | 'fsdp'
+
+
+def optimizer_kind(p: Profile, device: str, optimizer: str = "adamw") -> tuple[str, str]:
+    """(optimizer kind in :attr:`Machine.optimizers`, the device it runs on)."""
+    if optimizer == "adamw8bit":
+        return "bnb_adamw8bit", device
+    if p.engine == "deepspeed":
+        if p.offload_optimizer:
+            return "deepspeed_cpu_adam", "cpu"
+        return "deepspeed_fused_adam", device
+    if p.engine == "fsdp":
+        return "torch_fused_adamw", "cpu"  # the CPU offload policy keeps shards, grads and moments on the CPU
+    return "torch_fused_adamw", device
+
+
+# Which copies overlap compute, per engine (True: they run on a side stream while layers compute).
+OVERLAP = {
+    # DeepSpeed ZeRO-2 with overlap_comm (our profiles set it): gradients are reduced and, with optimizer
+    # offload, copied to pinned CPU buffers on a side stream as each bucket fills during backward
+    # (deepspeed/runtime/zero/stage_1_and_2.py, reduce_independent_p_g_buckets_and_remove_grads /
+    # async_inplace_copy_grad_to_fp32_buffer_from_gpu); the updated 16-bit weights are copied back after
+    # the optimizer step, outside backward, so that copy does not overlap.
+    "zero2_offload": {"grads": True, "weights": False},
+    # ZeRO-3 prefetches the next modules' parameters (stage3_prefetch_bucket_size) on a side stream while
+    # the current one computes, in forward and backward (deepspeed/runtime/zero/partitioned_param_coordinator.py);
+    # gradients leave on the reduction stream (stage3.py, overlap_comm).
+    "zero3_offload": {"grads": True, "weights": True},
+    # FSDP2 prefetches the next unit's all-gather (the H2D copy of its CPU shard) during the current
+    # unit's compute, forward and backward (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py,
+    # implicit prefetching), and offloads reduced gradients with non_blocking copies.
+    "fsdp": {"grads": True, "weights": True},
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# The prediction
+
+
+@dataclass
+class StepTime:
+    step_s: float
+    parts: dict  # part -> seconds per optimizer step (sums to step_s)
+    tokens_per_s: float
+    micro_batch_s: float  # one forward + backward, copies and fixed costs included
+    notes: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def op_seconds(ops: dict, rates: Rates, host_bound: bool) -> tuple[float, float]:
+    """(seconds, of which fixed per-op costs) for a traced op record (see ``memory.trace.OpKey``)."""
+    total = fixed = 0.0
+    for (kind, dtype, flops, nbytes), count in ops.items():
+        if kind == "view":
+            t, f = rates.view_s, rates.view_s
+        else:
+            if kind == "matmul":
+                work = max(flops / rates.matmul_rate(dtype, flops), nbytes / rates.memory_bytes_per_s)
+            elif kind == "attention":
+                work = max(flops / rates.attention_rate(dtype), nbytes / rates.memory_bytes_per_s)
+            else:
+                work = nbytes / rates.memory_bytes_per_s
+            f = rates.op_s
+            t = max(work, f) if host_bound else work + f
+        total += count * t
+        fixed += count * f
+    return total, fixed
+
+
+def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int, accumulation: int,
+            seq_len: int, world: int = 1, pinned: bool = False, optimizer: str = "adamw",
+            lora: bool = False) -> StepTime:
+    """Seconds per optimizer step of profile ``p`` on ``machine``. ``ops``: the traced op record of one
+    micro-batch's forward + backward at this micro-batch, checkpointing and precision; ``counts``: the
+    model's :class:`launcher.memory.shape.ParamCounts`."""
+    on_gpu = machine.compute.device == "cuda"
+    cd = 4 if p.precision == "fp32" else 2
+    trainable = counts.adapters if lora else counts.total
+    base = counts.total
+    n_tensors = counts.trainable_tensors if hasattr(counts, "trainable_tensors") else 0
+    notes = []
+    compute, _fixed = op_seconds(ops, machine.compute, host_bound=on_gpu)
+    fam = family(p)
+    eng = machine.engines.get(fam) or machine.engines.get("amp") or {}
+    if fam not in machine.engines:
+        notes.append(f"no measured fixed costs for {fam}: those of amp stand in")
+    micro_fixed = eng.get("micro_s", 0.0) + eng.get("micro_tensor_s", 0.0) * n_tensors
+    step_fixed = eng.get("step_s", 0.0) + eng.get("step_tensor_s", 0.0) * n_tensors
+    # Copies between the GPU and the CPU (on a CPU-only machine the same bytes move in host memory).
+    link = "pinned" if pinned else "pageable"
+    h2d = machine.h2d_bytes_per_s.get(link) or machine.host.memory_bytes_per_s
+    d2h = machine.d2h_bytes_per_s.get(link) or machine.host.memory_bytes_per_s
+    grads_down = weights_up_micro = weights_up_step = 0.0
+    traffic_micro = traffic_step = 0.0  # bytes of the engine's own passes on the compute device
+    host_traffic_step = 0.0
+    if fam == "zero2":
+        # contiguous_gradients: each gradient is copied into the bucket and from it into the partition
+        traffic_micro = 4 * cd * trainable
+        # fp32 copy of the flat gradient, its norm, unscale/clip, and the fp32 master copied back to 16 bits
+        traffic_step = (cd + 4 + 4 + 8 + 4 + cd) * trainable
+    elif fam == "zero2_offload":
+        grads_down = cd * trainable
+        traffic_micro = 2 * cd * trainable
+        host_traffic_step = (4 + 8) * trainable  # norm and clip of the fp32 gradients on the CPU
+        weights_up_step = cd * trainable
+    elif fam == "zero3_offload":
+        weights_up_micro = 2 * cd * (base + (counts.adapters if lora else 0))  # forward, and again in backward
+        grads_down = cd * trainable
+        host_traffic_step = (4 + 8 + 4 + cd) * trainable  # norm, clip, master -> 16-bit partition on the CPU
+    elif fam == "fsdp":
+        full = base + (counts.adapters if lora else 0)
+        if on_gpu:
+            weights_up_micro = 2 * 4 * full  # each unit's fp32 shard for forward and for backward
+            grads_down = 4 * trainable
+            traffic_micro = 2 * (4 + cd) * full  # the cast to the compute dtype after each copy
+        else:  # the CPU mesh: nothing to copy, the casts remain
+            traffic_micro = 2 * (4 + cd) * full + (cd + 4) * trainable
+        host_traffic_step = (4 + 8) * trainable
+    elif fam == "amp":
+        traffic_step = (4 + 8) * trainable  # clip_grad_norm_: the norm, then the scale
+        if accumulation > 1:
+            traffic_micro = 12 * trainable * (accumulation - 1) / accumulation  # grad += (after the first)
+        if p.precision == "fp16":
+            traffic_step += 8 * trainable  # GradScaler.unscale_
+    mem = machine.compute.memory_bytes_per_s
+    host_mem = machine.host.memory_bytes_per_s
+    t_grads = grads_down / d2h
+    t_weights_micro = weights_up_micro / h2d
+    overlap = OVERLAP.get(fam, {})
+    fb = compute + traffic_micro / mem + micro_fixed
+    if on_gpu and overlap.get("weights") and overlap.get("grads"):
+        micro = max(fb, t_weights_micro + t_grads)
+        exposed_copies = max(0.0, micro - fb)
+    elif on_gpu and overlap.get("grads"):
+        micro = max(fb, t_grads) + t_weights_micro
+        exposed_copies = micro - fb
+    else:
+        micro = fb + t_grads + t_weights_micro
+        exposed_copies = t_grads + t_weights_micro
+    kind, where = optimizer_kind(p, machine.compute.device, optimizer)
+    per_param, per_tensor = machine.optimizers.get(kind) or machine.optimizers.get("torch_fused_adamw") or (0.0, 0.0)
+    if kind not in machine.optimizers:
+        notes.append(f"no measured speed for {kind}: torch fused AdamW stands in")
+    opt = trainable * per_param + n_tensors * per_tensor
+    t_weights_step = weights_up_step / h2d
+    step_extra = traffic_step / mem + host_traffic_step / host_mem + t_weights_step + step_fixed
+    parts = {"compute": compute * accumulation, "engine": (micro_fixed * accumulation + step_fixed),
+             "memory_traffic": traffic_micro / mem * accumulation + traffic_step / mem + host_traffic_step / host_mem,
+             "copies": exposed_copies * accumulation + t_weights_step, "optimizer": opt}
+    step = micro * accumulation + opt + step_extra
+    parts = {k: v for k, v in parts.items() if v > 0}  # they add up to the step: micro = fb + exposed copies
+    tokens = micro_batch * accumulation * world * seq_len
+    return StepTime(step_s=step, parts=parts, tokens_per_s=tokens / step, micro_batch_s=micro, notes=notes)
