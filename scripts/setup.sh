@@ -29,8 +29,9 @@ if [ "$LOCK" = none ]; then
   "$VENV/bin/python" -m pip install -q --upgrade --upgrade-strategy eager -c "$pins" -e ".[${EXTRAS}]"
   rm -f "$pins"
 else
-  # pip moves anything already installed to the pinned version, so an old venv ends up like a new one
-  "$VENV/bin/python" -m pip install -q -c "$LOCK" -e ".[${EXTRAS}]"
+  # pip moves anything already installed to the pinned version, so an old venv ends up like a new one; the
+  # build constraint holds the setuptools that builds vramfit and DeepSpeed at the lock's version too
+  "$VENV/bin/python" -m pip install -q -c "$LOCK" --build-constraint "$LOCK" -e ".[${EXTRAS}]"
 fi
 echo "$LOCK" > "$VENV/vramfit-lock"  # what the tests compare the environment with (tests/test_install.py)
 if [[ ",${EXTRAS}," == *",deepspeed,"* ]]; then "$VENV/bin/vramfit" doctor --build-ops; fi
