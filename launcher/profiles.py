@@ -4,7 +4,8 @@
 ``vramfit profiles --check`` fails when the files and the code disagree. The JSON files keep
 ``"auto"`` where the value depends on the run (batch sizes, clipping, lr, bucket sizes); at launch
 :func:`resolve_ds_config` replaces every one of them, and the resolved config is written to the
-run directory. DeepSpeed itself never sees ``"auto"``.
+run directory. DeepSpeed itself never sees ``"auto"``. A user's own DeepSpeed JSON (``deepspeed_config``,
+:mod:`launcher.user_ds_config`) is filled by the same function, :func:`fill_auto`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ class Profile:
     speed_rank: int = 0  # 1 = fastest family; used to pick "the fastest profile that fits"
     gpu_holds: str = ""
     cpu_holds: str = ""
+    # A user's DeepSpeed JSON (launcher.user_ds_config) may fix its bucket sizes; None: from the hidden size.
+    reduce_bucket_size: int | None = None
+    prefetch_bucket_size: int | None = None
 
     @property
     def offloads(self) -> bool:
@@ -169,7 +173,8 @@ def fill_auto(template: dict, v: RunValues, source: str = "DeepSpeed config") ->
     A key vramfit decides (batch sizes, clipping, optimizer params, precision, fp16 loss scaling) takes
     vramfit's value when it is ``"auto"`` or absent, and must equal it when explicit: each disagreement is
     a problem (value, rule, fix), as the HF Trainer refuses mismatches. Bucket sizes follow the hidden size
-    when ``"auto"`` (explicit ones stay); ``pin_memory`` follows vramfit's decision when ``"auto"``. The
+    when ``"auto"`` (explicit ones stay); ``pin_memory`` follows vramfit's decision when ``"auto"`` or absent
+    (DeepSpeed would pin by default, which DESIGN.md allows only when ``ulimit -l`` and free RAM do). The
     catalogue's templates (:func:`resolve_ds_config`) and a user's JSON (:mod:`launcher.user_ds_config`)
     both come through here."""
     cfg = json.loads(json.dumps(template))
@@ -223,7 +228,7 @@ def fill_auto(template: dict, v: RunValues, source: str = "DeepSpeed config") ->
             if zero.get(key) == AUTO:
                 zero[key] = want
         for key in ("offload_optimizer", "offload_param"):
-            if isinstance(zero.get(key), dict) and zero[key].get("pin_memory") == AUTO:
+            if isinstance(zero.get(key), dict) and zero[key].get("pin_memory", AUTO) == AUTO:  # DeepSpeed: True
                 zero[key]["pin_memory"] = bool(v.pin_memory)
     return cfg, problems
 
