@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from launcher.config import AUTO, Config
+from launcher import user_ds_config
+from launcher.config import AUTO, Config, ConfigError
 from launcher.hardware import GiB, Hardware
 from launcher.memory.shape import ParamCounts, count_params, lora_target_names, resolve_model_config  # noqa: F401
 from launcher.memory.trace import ActivationEstimate, TraceSettings, estimate_activations
@@ -152,7 +153,17 @@ def _device(cfg: Config, hw: Hardware) -> str:
 
 
 def resolve_precision(cfg: Config, hw: Hardware) -> tuple[str, str]:
-    """(precision, why): explicit profile, explicit precision, else bf16 on capability >= 8, fp16 below, fp32 on CPU."""
+    """(precision, why): explicit profile, explicit precision, else bf16 on capability >= 8, fp16 below, fp32 on CPU;
+    a ``deepspeed_config`` whose fp16/bf16 blocks are explicit decides instead (user_ds_config.decide_precision)."""
+    found = _vramfit_precision(cfg, hw)
+    if cfg.deepspeed_config:
+        cuda = _device(cfg, hw) == "cuda"
+        return user_ds_config.precision_for(cfg, found, "cuda" if cuda else "cpu",
+                                            bf16_ok=not cuda or hw.gpu(0).capability[0] >= 8)
+    return found
+
+
+def _vramfit_precision(cfg: Config, hw: Hardware) -> tuple[str, str]:
     if cfg.profile != AUTO and cfg.profile in PROFILES:
         p = PROFILES[cfg.profile].precision
         return p, f"precision {p} from profile {cfg.profile}"
@@ -290,7 +301,7 @@ def _states(p: Profile, run: _Run, accumulation: int) -> dict:
     opt = OPTIMIZER_BYTES_PER_PARAM[run.optimizer]
     largest_trainable = c.largest_adapter if lora else c.largest_param
     h = run.hidden
-    rb = bucket_sizes(h)["reduce_bucket_size"]
+    rb = p.reduce_bucket_size or bucket_sizes(h)["reduce_bucket_size"]
     fb: dict = {}
     step: dict = {}
     cpu: dict = {}
@@ -312,8 +323,11 @@ def _states(p: Profile, run: _Run, accumulation: int) -> dict:
         _add(step, "buffers", AMP_OPTIMIZER_WORKSPACE * trainable)
         if run.quantize in QUANT_BYTES_PER_PARAM:  # bitsandbytes dequantizes one weight at a time
             _add(fb, "buffers", c.largest_module * cd)
-    elif p.engine == "deepspeed" and p.zero_stage == 2:
+    elif p.engine == "deepspeed" and p.zero_stage in (0, 1, 2):
         # The module is cast to the compute dtype; trainable params are views into one flat 16-bit buffer.
+        # Stages 0 and 1 (only from a user's deepspeed_config) are planned with this stage-2 arithmetic: on one
+        # rank no stage partitions anything, and each keeps 16-bit weights, a gradient copy and fp32 master +
+        # Adam moments (stage 1 in DeepSpeed's ZeRO-1/2 optimizer itself; stage 0 in its bf16/fp16 optimizer).
         w = (base + c.adapters) * cd if lora else base * cd
         load = w
         bucket_bytes = 2 * rb * cd  # ipg double buffer (overlap_comm)
@@ -340,8 +354,9 @@ def _states(p: Profile, run: _Run, accumulation: int) -> dict:
     elif p.engine == "deepspeed" and p.zero_stage == 3:
         # Parameters live partitioned on the CPU; the GPU gathers the module in use plus the prefetch bucket.
         b = bucket_sizes(h)
+        prefetch = p.prefetch_bucket_size if p.prefetch_bucket_size is not None else b["stage3_prefetch_bucket_size"]
         small = c.small_params
-        live = (c.largest_module + b["stage3_prefetch_bucket_size"]) * cd + small * cd
+        live = (c.largest_module + prefetch) * cd + small * cd
         load = (base + c.adapters) * cd
         for d in (fb, step):
             _add(d, "weights", live)
@@ -380,7 +395,7 @@ def _states(p: Profile, run: _Run, accumulation: int) -> dict:
 def _asked_for(p: Profile, cfg: Config) -> bool:
     """The profile by name, or the engine when all its profiles of this precision offload (FSDP): on a
     CPU-only machine offloading changes nothing, but the user may want that engine's code path."""
-    if cfg.profile == p.name:
+    if cfg.profile == p.name or (cfg.deepspeed_config and p.name not in PROFILES):  # the custom row is asked for
         return True
     return cfg.engine == p.engine and all(q.offloads for q in PROFILES.values()
                                           if q.engine == p.engine and q.precision == p.precision)
@@ -525,13 +540,24 @@ def plan(cfg: Config, hw: Hardware | None = None, profiles: list[str] | None = N
     names = list(profiles) if profiles is not None else [n for n, p in PROFILES.items() if p.precision == precision]
     if cfg.profile != AUTO and cfg.profile not in names:
         names.insert(0, cfg.profile)
+    lookup, asked = PROFILES, cfg.train.micro_batch_size
+    custom = None
+    if cfg.deepspeed_config:  # the run is the JSON's custom row and nothing else (ConfigError when it cannot be)
+        custom = user_ds_config.load(cfg, precision)
+        names, lookup = [custom.profile.name], {custom.profile.name: custom.profile}
+        if asked == AUTO and custom.micro_batch:
+            asked = custom.micro_batch
     rows: list[ProfilePlan] = []
     for name in names:
-        p = PROFILES[name]
+        p = lookup[name]
         blocked = _not_available(p, run, cfg, engines, hw)
         if p.precision != precision:
             blocked = blocked or f"precision {p.precision}, the run is {precision}"
-        rows.append(_best_micro_batch(p, run, cfg.train.micro_batch_size, gpu_budget, cpu_budget, blocked))
+        rows.append(_best_micro_batch(p, run, asked, gpu_budget, cpu_budget, blocked))
+    if custom is not None:  # its explicit batch sizes, clipping and optimizer params against the run's
+        r = rows[0]
+        user_ds_config.resolve(custom, user_ds_config.run_values(cfg, precision, r.micro_batch, r.accumulation,
+                                                                 run.world, run.hidden, False, cfg.train.lr))
     order = {n: i for i, n in enumerate(names)}
     pref = {e: i for i, e in enumerate(ENGINE_PREFERENCE)}
 
@@ -547,7 +573,7 @@ def plan(cfg: Config, hw: Hardware | None = None, profiles: list[str] | None = N
                budget={"gpu_bytes": gpu_budget, "cpu_bytes": cpu_budget, "gpu_source": sources["gpu"],
                        "cpu_source": sources["cpu"]},
                model=_model_summary(cfg, run), settings=_settings(cfg, run, why_precision),
-               assumptions=_assumptions(run), activations=_activation_summary(run, rows))
+               assumptions=_assumptions(run), activations=_activation_summary(run, rows, lookup))
     if chosen is None and suggest:
         out.suggestions, out.suggested_overrides = _suggestions(cfg, hw, engines, profiles)
     out.seconds = time.perf_counter() - t0
@@ -577,6 +603,8 @@ def _reason(chosen, pool, rows, cfg, gpu_budget, cpu_budget, run) -> str:
             return "no profile can run here: " + "; ".join(f"{r.profile}: {r.why_not}" for r in rows)
         if cfg.profile != AUTO:
             return f"profile {cfg.profile} as asked does not fit: {pool[0].why_not}"
+        if cfg.deepspeed_config:
+            return f"{pool[0].profile} from deepspeed_config {cfg.deepspeed_config} does not fit: {pool[0].why_not}"
         blocked_fits = [r for r in rows if r.fits and not r.available]
         if blocked_fits:
             r = min(blocked_fits, key=lambda r: r.speed_rank)
@@ -596,6 +624,8 @@ def _reason(chosen, pool, rows, cfg, gpu_budget, cpu_budget, run) -> str:
         text += "; faster ones do not fit: " + "; ".join(f"{r.profile} ({r.why_not})" for r in faster)
     if cfg.profile != AUTO:
         text = f"profile {cfg.profile} as asked fits: " + text.split(": ", 1)[1]
+    if cfg.deepspeed_config:
+        text = f"{chosen.profile} from deepspeed_config {cfg.deepspeed_config} fits: " + text.split(": ", 1)[1]
     return text
 
 
@@ -623,12 +653,12 @@ def _assumptions(run: _Run) -> dict:
             "loop_keeps_only_the_loss_through_backward": True}
 
 
-def _activation_summary(run: _Run, rows: list[ProfilePlan]) -> dict:
+def _activation_summary(run: _Run, rows: list[ProfilePlan], lookup: dict) -> dict:
     out = {}
     for r in rows:
         if r.lower_bound:
             continue
-        fam = _family(PROFILES[r.profile])
+        fam = _family(lookup[r.profile])
         key = f"{fam}@{r.micro_batch}"
         if key in out:
             continue
@@ -708,8 +738,11 @@ def _suggestions(cfg: Config, hw: Hardware, engines: set[str], profiles) -> tupl
             trial = _with(cfg, ov)
             if trial.model.quantize != "none" and trial.lora.r == 0:
                 continue
-            p = plan(trial, hw, profiles=None if "engine=auto" in ov or "profile=auto" in ov else profiles,
-                     available_engines=engines, suggest=False)
+            try:
+                p = plan(trial, hw, profiles=None if "engine=auto" in ov or "profile=auto" in ov else profiles,
+                         available_engines=engines, suggest=False)
+            except ConfigError:  # e.g. a micro-batch a deepspeed_config's explicit one disagrees with
+                continue
             if p.chosen is None:
                 continue
             c = p.chosen_plan

@@ -3,6 +3,8 @@
 ``precision=auto``: bf16 on GPUs of compute capability >= 8.0, fp16 on older GPUs (T4, V100), fp32 on
 the CPU. ``engine=auto``: DeepSpeed when it imports and can run the profile, else the torch paths.
 ``profile=auto``: the fastest profile that fits the memory budget (the planner decides).
+``deepspeed_config=PATH``: the JSON is the profile (a custom row, :mod:`launcher.user_ds_config`); its explicit
+fp16/bf16 blocks decide the precision.
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from launcher import user_ds_config
 from launcher.config import AUTO, Config, ConfigError
 from launcher.hardware import Hardware
 from launcher.profiles import PROFILES, Profile
+from launcher.user_ds_config import UserDsConfig
 
 
 @dataclass
@@ -26,6 +30,7 @@ class Resolved:
     world: int
     reasons: list[str] = field(default_factory=list)
     plan: object | None = None  # launcher.planner.Plan when the planner ran
+    user_ds: UserDsConfig | None = None  # deepspeed_config: the user's JSON, checked, "auto" still open
 
     @property
     def engine(self) -> str:
@@ -44,6 +49,14 @@ def resolve_device(cfg: Config, hw: Hardware) -> torch.device:
 
 
 def resolve_precision(cfg: Config, hw: Hardware, device: torch.device) -> tuple[str, str]:
+    found = _vramfit_precision(cfg, hw, device)
+    if cfg.deepspeed_config:
+        bf16_ok = device.type != "cuda" or hw.gpu(device.index or 0).bf16
+        return user_ds_config.precision_for(cfg, found, device.type, bf16_ok)
+    return found
+
+
+def _vramfit_precision(cfg: Config, hw: Hardware, device: torch.device) -> tuple[str, str]:
     if cfg.profile != AUTO:
         return PROFILES[cfg.profile].precision, f"precision {PROFILES[cfg.profile].precision} from profile {cfg.profile}"
     if cfg.precision != AUTO:
@@ -120,16 +133,25 @@ def resolve(cfg: Config, hw: Hardware, world: int = 1) -> Resolved:
     device = resolve_device(cfg, hw)
     precision, why_prec = resolve_precision(cfg, hw, device)
     reasons = [f"device {device}", why_prec]
-    if cfg.profile != AUTO:
-        p = PROFILES[cfg.profile]
+    user = user_ds_config.load(cfg, precision) if cfg.deepspeed_config else None
+    if user is not None or cfg.profile != AUTO:
+        p = user.profile if user is not None else PROFILES[cfg.profile]
         why = engine_problems(p, cfg, hw, device)
+        if why and user is not None:
+            raise ConfigError([f"deepspeed_config: got {cfg.deepspeed_config!r}; rule: it runs on DeepSpeed, but {why}; "
+                               "fix: deepspeed_config=\"\" (vramfit's profiles, the AMP path among them), or drop "
+                               "that setting"])
         if why:
             alt, _ = candidate_order(replace(cfg, engine=AUTO), hw, precision, device)
             fix = f"profile={alt[0].name}" if alt else "profile=auto"
             raise ConfigError([f"profile: got {cfg.profile!r}; rule: its engine must be usable here, but {why}; "
                                f"fix: {fix}" + (" or pip install 'vramfit[deepspeed]'" if "not installed" in why else "")])
         chosen, plan = p, _plan_one(cfg, hw, p)
-        reasons.append(f"profile {p.name} as asked")
+        if user is not None:
+            reasons.append(f"profile {p.name} from deepspeed_config {cfg.deepspeed_config}")
+            reasons += list(user.notices)
+        else:
+            reasons.append(f"profile {p.name} as asked")
         row = plan.get(p.name) if plan is not None else None
         if row is not None and not row.fits:
             over_cpu = row.cpu_bytes > plan.budget["cpu_bytes"]
@@ -157,7 +179,10 @@ def resolve(cfg: Config, hw: Hardware, world: int = 1) -> Resolved:
             if ds_drop:
                 reasons.append(f"engine {chosen.engine}, not DeepSpeed: {ds_drop[0].split(': ', 1)[1]}")
     micro = cfg.train.micro_batch_size
-    if micro == AUTO:
+    if micro == AUTO and user is not None and user.micro_batch:
+        micro = user.micro_batch
+        reasons.append(f"micro-batch {micro} from deepspeed_config")
+    elif micro == AUTO:
         micro = getattr(plan, "micro_batch", None) or 1 if plan is not None else 1
         reasons.append(f"micro-batch {micro} from the planner")
     per_step = micro * world
@@ -166,7 +191,14 @@ def resolve(cfg: Config, hw: Hardware, world: int = 1) -> Resolved:
                            f"micro-batch {micro} x {world} rank(s) = {per_step}; fix: "
                            f"train.global_batch_size={max(per_step, cfg.train.global_batch_size // per_step * per_step)}"])
     accumulation = cfg.train.global_batch_size // per_step
-    return Resolved(device, precision, chosen, micro, accumulation, world, reasons, plan)
+    if user is not None:
+        # Every explicit value against the run's, and DeepSpeed's verdict on the filled config, before anything
+        # loads; pin_memory is decided with the model (train.build_engine) and does not change the verdict.
+        hidden = plan.model["hidden_size"]
+        user_ds_config.resolve(user, user_ds_config.run_values(cfg, precision, micro, accumulation, world, hidden,
+                                                               False, cfg.train.lr))
+        user = user.with_batch_auto()
+    return Resolved(device, precision, chosen, micro, accumulation, world, reasons, plan, user)
 
 
 def _plan_one(cfg: Config, hw: Hardware, p: Profile):

@@ -190,10 +190,22 @@ def build_engine(cfg: Config, res: Resolved, model, hw: Hardware, hidden_size: i
         pin, why = pin_memory_ok(hw, 16 * n_train) if res.profile.offloads else (False, "")
         if res.profile.offloads:
             log(f"pin_memory {'on' if pin else 'off'}: {why}")
-        ds_config = resolve_ds_config(res.profile, micro_batch=res.micro_batch, accumulation=res.accumulation,
-                                      world=res.world, grad_clip=t.grad_clip, lr=lr_at(0, cfg), betas=betas,
-                                      eps=t.eps, weight_decay=t.weight_decay, hidden_size=hidden_size,
-                                      pin_memory=pin, loss_scale=vars(cfg.loss_scale))
+        if res.user_ds is not None:  # deepspeed_config: the user's JSON, its "auto" filled like a profile's
+            from launcher import user_ds_config
+
+            ds_config = user_ds_config.resolve(res.user_ds, user_ds_config.run_values(
+                cfg, res.precision, res.micro_batch, res.accumulation, res.world, hidden_size, pin, lr_at(0, cfg)))
+            zero = ds_config.get("zero_optimization", {})
+            for k in ("offload_optimizer", "offload_param"):
+                asked = res.user_ds.template.get("zero_optimization", {}).get(k, {}).get("pin_memory")
+                if isinstance(asked, bool) and asked != pin and isinstance(zero.get(k), dict):
+                    log(f"{k}.pin_memory {str(asked).lower()} as deepspeed_config asks (vramfit would choose "
+                        f"{'on' if pin else 'off'}: {why})")
+        else:
+            ds_config = resolve_ds_config(res.profile, micro_batch=res.micro_batch, accumulation=res.accumulation,
+                                          world=res.world, grad_clip=t.grad_clip, lr=lr_at(0, cfg), betas=betas,
+                                          eps=t.eps, weight_decay=t.weight_decay, hidden_size=hidden_size,
+                                          pin_memory=pin, loss_scale=vars(cfg.loss_scale))
         return DeepSpeedEngine(model, ds_config=ds_config, param_groups=groups, device=res.device), ds_config
     if res.engine == "fsdp":
         from launcher.engines.fsdp import FsdpEngine
@@ -256,6 +268,12 @@ def _train(cfg: Config, hooks: Hooks | None, hw: Hardware | None) -> dict:
                                f"match to resume; fix: restore them or choose another run_name. Changes: {'; '.join(diff)}"])
         if marker.get("rung"):  # continue where the OOM ladder had got to
             rung = Rung(**marker["rung"])
+        custom = rung.profile not in PROFILES  # written by a deepspeed_config run (its custom row)
+        if (custom or res.user_ds is not None) and rung.profile != res.profile.name:
+            raise ConfigError([f"checkpoint {resume_from}: written by profile {rung.profile}, this run is "
+                               f"{res.profile.name}; rule: a run with its own deepspeed_config resumes with the same "
+                               "JSON layout, and a catalogue run without one; fix: the deepspeed_config the run "
+                               "started with (or none), or another run_name"])
     cfg.model.gradient_checkpointing = rung.checkpointing
     rd.write_text("config.yaml", to_yaml(cfg))
     if res.plan is not None:
@@ -273,7 +291,7 @@ def _train(cfg: Config, hooks: Hooks | None, hw: Hardware | None) -> dict:
         weights go into the model before the engine wraps it, so low-precision copies are made from them;
         ``loss_scale``: the fp16 scale the replaced engine had reached (scales are powers of two), so the new
         one does not start again at 2**initial_power and skip steps finding it."""
-        profile = PROFILES[rung.profile]
+        profile = res.profile if rung.profile == res.profile.name else PROFILES[rung.profile]  # custom: not in PROFILES
         c = cfg
         if loss_scale:
             c = replace(cfg, loss_scale=replace(cfg.loss_scale, initial_power=max(0, round(math.log2(loss_scale)))))
@@ -335,7 +353,9 @@ def _train(cfg: Config, hooks: Hooks | None, hw: Hardware | None) -> dict:
     tokens_per_step = cfg.train.global_batch_size * seq_len
     peak_rss = psutil.Process().memory_info().rss
     loss, at_min_scale, last_scale = float("nan"), 0, None  # last_scale: fp16 loss scale after the last step
-    usable, _ = candidate_order(cfg, hw, res.precision, device, allow_offload=True)
+    # A deepspeed_config run never moves to a catalogue profile (that would drop the user's settings): its OOM
+    # ladder halves the micro-batch and turns on checkpointing, then stops.
+    usable = [] if res.user_ds is not None else candidate_order(cfg, hw, res.precision, device, allow_offload=True)[0]
     progress = Progress(cfg, st.step, log, _format_row)
     try:
         while st.step < cfg.train.max_steps:
