@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 
 from launcher import planner
-from launcher.config import AUTO, Config
+from launcher.config import AUTO, Config, ConfigError
 from launcher.hardware import Hardware
 from launcher.presets import PRESETS
 from launcher.units import gib
@@ -84,8 +84,11 @@ def suggestions(cfg: Config, hw: Hardware, profiles=None, world: int = 1) -> tup
             trial = _with(cfg, ov)
             if trial.model.quantize != "none" and trial.lora.r == 0:
                 continue
-            p = planner.plan(trial, hw, profiles=None if "engine=auto" in ov or "profile=auto" in ov else profiles,
-                             world=world)
+            try:
+                p = planner.plan(trial, hw, profiles=None if "engine=auto" in ov or "profile=auto" in ov else profiles,
+                                 world=world)
+            except ConfigError:  # e.g. a micro-batch a deepspeed_config's explicit one disagrees with
+                continue
             if p.chosen is None:
                 continue
             c = p.chosen_plan

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from launcher import user_ds_config
 from launcher.config import AUTO, Config, ConfigError
 from launcher.hardware import Hardware
 from launcher.precision import PRECISIONS
@@ -39,7 +40,15 @@ def device_for(cfg: Config, hw: Hardware, local_rank: int = 0) -> torch.device:
 
 
 def precision_for(cfg: Config, hw: Hardware, device: torch.device) -> tuple[str, str]:
-    """(precision, why)."""
+    """(precision, why); with ``deepspeed_config`` its explicit fp16/bf16 blocks decide (checked against these)."""
+    found = _precision_for(cfg, hw, device)
+    if cfg.deepspeed_config:
+        bf16_ok = device.type != "cuda" or hw.gpu(device.index or 0).bf16
+        return user_ds_config.precision_for(cfg, found, device.type, bf16_ok)
+    return found
+
+
+def _precision_for(cfg: Config, hw: Hardware, device: torch.device) -> tuple[str, str]:
     if cfg.profile != AUTO and cfg.profile in PROFILES:
         p = PROFILES[cfg.profile].precision
         return p, f"precision {p} from profile {cfg.profile}"
@@ -106,13 +115,23 @@ class Availability:
     precision_reason: str
     problems: dict = field(default_factory=dict)  # profile -> why it cannot run here at all
     unwanted: dict = field(default_factory=dict)  # profile -> why the settings rule it out
+    user: user_ds_config.UserDsConfig | None = None  # deepspeed_config: the JSON, checked; its custom profile
+
+    def profile(self, name: str) -> Profile:
+        """A catalogue profile, or the custom one of a deepspeed_config."""
+        if self.user is not None and name == self.user.profile.name:
+            return self.user.profile
+        return PROFILES[name]
 
     def why_not(self, name: str) -> str | None:
         return self.problems.get(name) or self.unwanted.get(name)
 
     def usable(self, allow_offload: bool = False) -> list[Profile]:
         """Profiles of the run's precision that can run and are wanted, fastest first (DeepSpeed first on a
-        tie). ``allow_offload``: also offload profiles on a CPU (the OOM ladder's further rungs)."""
+        tie). ``allow_offload``: also offload profiles on a CPU (the OOM ladder's further rungs). With a
+        deepspeed_config, its custom profile alone (the OOM ladder never swaps it for a catalogue one)."""
+        if self.user is not None:
+            return [] if self.user.profile.name in self.problems else [self.user.profile]
         out = []
         for p in PROFILES.values():
             if p.precision != self.precision or p.name in self.problems:
@@ -144,11 +163,20 @@ def assess(cfg: Config, hw: Hardware, local_rank: int = 0) -> Availability:
     device = device_for(cfg, hw, local_rank)
     precision, why = precision_for(cfg, hw, device)
     problems, unwanted = {}, {}
+    user = user_ds_config.load(cfg, precision) if cfg.deepspeed_config else None
+    if user is not None:
+        problem = profile_problem(user.profile, cfg, hw, device)
+        if problem:
+            raise ConfigError([f"deepspeed_config: got {cfg.deepspeed_config!r}; rule: it runs on DeepSpeed, but "
+                               f"{problem}; fix: deepspeed_config=\"\" (vramfit's profiles, the AMP path among them), or "
+                               "drop that setting"])
     for p in PROFILES.values():
         problem = profile_problem(p, cfg, hw, device)
         if problem:
             problems[p.name] = problem
-        if cfg.profile != AUTO and p.name != cfg.profile:
+        if user is not None:
+            unwanted[p.name] = f"deepspeed_config={cfg.deepspeed_config} is the run's profile"
+        elif cfg.profile != AUTO and p.name != cfg.profile:
             unwanted[p.name] = f"profile={cfg.profile} was asked"
         elif cfg.engine != AUTO and p.engine != cfg.engine:
             unwanted[p.name] = f"engine={cfg.engine} was asked"
@@ -156,7 +184,7 @@ def assess(cfg: Config, hw: Hardware, local_rank: int = 0) -> Availability:
             unwanted[p.name] = f"precision {p.precision}, the run is {precision}"
         elif device.type == "cpu" and p.offloads and not _asked_for(p, cfg):
             unwanted[p.name] = NO_GPU_TO_OFFLOAD
-    return Availability(device, precision, why, problems, unwanted)
+    return Availability(device, precision, why, problems, unwanted, user)
 
 
 def engine_error(cfg: Config, avail: Availability) -> ConfigError:

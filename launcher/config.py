@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, get_origin
@@ -146,6 +147,8 @@ class Config:
     engine: str = _f("auto", "auto (DeepSpeed when it imports and can run the profile, else torch), deepspeed, amp, fsdp.",
                      choices=ENGINES)
     profile: str = _f("auto", "auto (fastest profile that fits the budget) or a profile name (vramfit profiles).")
+    deepspeed_config: str = _f("", "Path to your own DeepSpeed JSON (HF Trainer/Accelerate style, \"auto\" allowed): "
+                               "the run uses it as a custom profile; empty = vramfit's profiles.")
     precision: str = _f("auto", "auto (bf16 on GPUs with compute capability >= 8, fp16 on older GPUs, fp32 on CPU), fp16, bf16, fp32.",
                         choices=PRECISIONS)
     device: str = _f("auto", "auto (cuda when available), cuda or cpu.", choices=("auto", "cuda", "cpu"))
@@ -323,6 +326,32 @@ def load_raw(path: str | None, overrides: list[str] | None = None) -> dict:
     return _merge(raw, parse_overrides(overrides or []))
 
 
+def read_deepspeed_json(path: str) -> tuple[dict | None, str | None]:
+    """(the JSON object, None), or (None, the problem: value, rule, fix). Duplicate keys are refused, as
+    DeepSpeed's own reader does (one of them would be dropped silently)."""
+    where = f"deepspeed_config: got {path!r}"
+    if not os.path.isfile(path):
+        return None, (f"{where}, no such file; rule: a path to a DeepSpeed JSON file; fix: an existing path, or "
+                      "deepspeed_config=\"\" for vramfit's profiles")
+
+    def no_duplicates(pairs):
+        keys = [k for k, _ in pairs]
+        dup = sorted({k for k in keys if keys.count(k) > 1})
+        if dup:
+            raise ValueError(f"duplicate key(s) {', '.join(dup)}")
+        return dict(pairs)
+
+    try:
+        with open(path) as fh:
+            obj = json.load(fh, object_pairs_hook=no_duplicates)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError and carries line and column
+        return None, f"{where}, not valid JSON ({e}); rule: a DeepSpeed config is a JSON object; fix: correct the file"
+    if not isinstance(obj, dict):
+        return None, (f"{where}, its top level is a {type(obj).__name__}; rule: a DeepSpeed config is a JSON object "
+                      "({\"zero_optimization\": {...}, ...}); fix: correct the file")
+    return obj, None
+
+
 def check(cfg: Config, world: int | None = None) -> list[str]:
     """Cross-field rules. Returns problems (empty when fine)."""
     problems = []
@@ -362,6 +391,20 @@ def check(cfg: Config, world: int | None = None) -> list[str]:
             if cfg.precision not in (AUTO, p.precision):
                 problems.append(f"precision: got {cfg.precision!r} with profile={cfg.profile} ({p.precision}); "
                                 f"rule: they must agree; fix: precision=auto or precision={p.precision}")
+    if cfg.deepspeed_config:
+        # The file is read here; what DeepSpeed's config models and vramfit's settings say about it is checked
+        # by launcher.user_ds_config before the plan (it needs DeepSpeed and the resolved precision).
+        _obj, problem = read_deepspeed_json(cfg.deepspeed_config)
+        if problem:
+            problems.append(problem)
+        if cfg.profile != AUTO:
+            problems.append(f"profile: got {cfg.profile!r} with deepspeed_config={cfg.deepspeed_config}; rule: the "
+                            "DeepSpeed JSON is the run's profile (a custom row), so profile must be auto; fix: "
+                            f"profile=auto, or deepspeed_config=\"\" to run {cfg.profile}")
+        if cfg.engine not in (AUTO, "deepspeed"):
+            problems.append(f"engine: got {cfg.engine!r} with deepspeed_config={cfg.deepspeed_config}; rule: a DeepSpeed "
+                            "config runs on the DeepSpeed engine; fix: engine=auto or engine=deepspeed, or "
+                            "deepspeed_config=\"\"")
     if cfg.checkpoint.resume not in ("auto", "never") and not os.path.exists(cfg.checkpoint.resume):
         problems.append(f"checkpoint.resume: got {cfg.checkpoint.resume!r}; rule: auto, never, or an existing "
                         "checkpoint directory; fix: checkpoint.resume=auto")

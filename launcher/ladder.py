@@ -47,7 +47,8 @@ def next_move(now: Rung, usable: list[Profile], what: str = "out of memory") -> 
     if not now.checkpointing:
         return Move(Rung(now.micro_batch, now.accumulation, True, now.profile), "checkpointing",
                     f"{what} at micro-batch {now.micro_batch}: gradient checkpointing on")
-    nxt = more_offload(PROFILES[now.profile], usable)
+    current = PROFILES.get(now.profile)  # None: a deepspeed_config's custom profile, which never moves
+    nxt = more_offload(current, usable) if current is not None else None
     if nxt is not None:
         return Move(Rung(now.micro_batch, now.accumulation, True, nxt.name), "profile",
                     f"{what} with checkpointing at micro-batch {now.micro_batch}: profile {now.profile} -> {nxt.name}")

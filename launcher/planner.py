@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from launcher import availability, hfconfig
+from launcher import availability, hfconfig, user_ds_config
 from launcher.availability import Availability
 from launcher.config import AUTO, Config
 from launcher.hardware import Hardware
@@ -322,17 +322,26 @@ def plan(cfg: Config, hw: Hardware, profiles: list[str] | None = None, *, world:
              [n for n, p in PROFILES.items() if p.precision == avail.precision])
     if cfg.profile != AUTO and cfg.profile not in names:
         names.insert(0, cfg.profile)
-    rows = [_best_micro_batch(PROFILES[n], run, cfg.train.micro_batch_size, gpu_budget, cpu_budget,
-                              avail.why_not(n)) for n in names]
+    asked = cfg.train.micro_batch_size
+    if avail.user is not None:  # the run is the JSON's custom row and nothing else
+        names = [avail.user.profile.name]
+        if asked == AUTO and avail.user.micro_batch:
+            asked = avail.user.micro_batch
+    rows = [_best_micro_batch(avail.profile(n), run, asked, gpu_budget, cpu_budget, avail.why_not(n)) for n in names]
+    if avail.user is not None:  # its explicit batch sizes, clipping and optimizer params against the run's
+        r = rows[0]
+        user_ds_config.resolve(avail.user, user_ds_config.run_values(cfg, avail.precision, r.micro_batch,
+                                                                     r.accumulation, run.world, run.hidden, False,
+                                                                     cfg.train.lr))
     pool = [r for r in rows if r.available]
-    fitting = sorted((r for r in pool if r.fits), key=lambda r: availability.rank_key(PROFILES[r.profile]))
+    fitting = sorted((r for r in pool if r.fits), key=lambda r: availability.rank_key(avail.profile(r.profile)))
     chosen = fitting[0] if fitting else None
     reason = _reason(chosen, pool, rows, cfg, gpu_budget, cpu_budget, run)
     out = Plan(profiles=rows, chosen=chosen.profile if chosen else None, reason=reason,
                budget={"gpu_bytes": gpu_budget, "cpu_bytes": cpu_budget, "gpu_source": sources["gpu"],
                        "cpu_source": sources["cpu"]},
                model=_model_summary(cfg, run), settings=_settings(cfg, run, avail.precision_reason),
-               assumptions=_assumptions(run), activations=_activation_summary(run, rows))
+               assumptions=_assumptions(run), activations=_activation_summary(run, rows, avail))
     out.seconds = time.perf_counter() - t0
     return out
 
@@ -360,6 +369,8 @@ def _reason(chosen, pool, rows, cfg, gpu_budget, cpu_budget, run) -> str:
             return "no profile can run here: " + "; ".join(f"{r.profile}: {r.why_not}" for r in rows)
         if cfg.profile != AUTO:
             return f"profile {cfg.profile} as asked does not fit: {pool[0].why_not}"
+        if cfg.deepspeed_config:
+            return f"{pool[0].profile} from deepspeed_config {cfg.deepspeed_config} does not fit: {pool[0].why_not}"
         blocked_fits = [r for r in rows if r.fits and not r.available]
         if blocked_fits:
             r = min(blocked_fits, key=lambda r: r.speed_rank)
@@ -379,6 +390,8 @@ def _reason(chosen, pool, rows, cfg, gpu_budget, cpu_budget, run) -> str:
         text += "; faster ones do not fit: " + "; ".join(f"{r.profile} ({r.why_not})" for r in faster)
     if cfg.profile != AUTO:
         text = f"profile {cfg.profile} as asked fits: " + text.split(": ", 1)[1]
+    if cfg.deepspeed_config:
+        text = f"{chosen.profile} from deepspeed_config {cfg.deepspeed_config} fits: " + text.split(": ", 1)[1]
     return text
 
 
@@ -406,12 +419,12 @@ def _assumptions(run: RunShape) -> dict:
             "loop_keeps_only_the_loss_through_backward": True}
 
 
-def _activation_summary(run: RunShape, rows: list[ProfilePlan]) -> dict:
+def _activation_summary(run: RunShape, rows: list[ProfilePlan], avail: Availability) -> dict:
     out = {}
     for r in rows:
         if r.lower_bound:
             continue
-        fam = _family(PROFILES[r.profile])
+        fam = _family(avail.profile(r.profile))
         key = f"{fam}@{r.micro_batch}"
         if key in out:
             continue

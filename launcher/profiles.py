@@ -4,14 +4,16 @@
 ``vramfit profiles --check`` fails when the files and the code disagree. The JSON files keep
 ``"auto"`` where the value depends on the run (batch sizes, clipping, lr, bucket sizes); at launch
 :func:`resolve_ds_config` replaces every one of them, and the resolved config is written to the
-run directory. DeepSpeed itself never sees ``"auto"``.
+run directory. DeepSpeed itself never sees ``"auto"``. A user's own DeepSpeed JSON (``deepspeed_config``,
+:mod:`launcher.user_ds_config`) is filled by the same function, :func:`fill_auto`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 AUTO = "auto"
 DS_CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ds_configs")
@@ -31,6 +33,9 @@ class Profile:
     speed_rank: int = 0  # 1 = fastest family; used to pick "the fastest profile that fits"
     gpu_holds: str = ""
     cpu_holds: str = ""
+    # A user's DeepSpeed JSON (launcher.user_ds_config) may fix its bucket sizes; None: from the hidden size.
+    reduce_bucket_size: int | None = None
+    prefetch_bucket_size: int | None = None
 
     @property
     def offloads(self) -> bool:
@@ -119,30 +124,129 @@ def bucket_sizes(hidden_size: int) -> dict:
             "stage3_prefetch_bucket_size": int(0.9 * h2), "stage3_param_persistence_threshold": 10 * hidden_size}
 
 
+@dataclass(frozen=True)
+class RunValues:
+    """What vramfit decides for a DeepSpeed config: the values behind every ``"auto"``, for the catalogue's
+    templates and a user's own JSON alike (:func:`fill_auto`)."""
+
+    precision: str
+    micro_batch: int
+    accumulation: int
+    world: int
+    grad_clip: float
+    lr: float  # the optimizer's lr at construction (the loop sets every step's lr from its schedule)
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    hidden_size: int
+    pin_memory: bool
+    loss_scale: dict = field(default_factory=lambda: dict(LOSS_SCALE))  # initial_power, window, hysteresis, min_scale
+    peak_lr: float | None = None  # train.lr, what an explicit optimizer lr is compared with (default: lr)
+
+
+# fp16 dynamic loss scaling: DeepSpeed key -> loss_scale.* key (loss_scale 0 = dynamic)
+_FP16_SCALING = (("initial_scale_power", "initial_power"), ("loss_scale_window", "window"),
+                 ("hysteresis", "hysteresis"), ("min_loss_scale", "min_scale"))
+# Where an "auto" can be filled (a user's JSON with "auto" anywhere else is refused before launch).
+AUTO_PATHS = frozenset(
+    ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
+     "fp16.enabled", "fp16.loss_scale", "bf16.enabled"]
+    + [f"optimizer.params.{k}" for k in ("lr", "betas", "eps", "weight_decay")] + [f"fp16.{k}" for k, _ in _FP16_SCALING]
+    + [f"zero_optimization.{k}" for k in ("reduce_bucket_size", "allgather_bucket_size",
+                                          "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")]
+    + [f"zero_optimization.{k}.pin_memory" for k in ("offload_optimizer", "offload_param")])
+
+
+def _same(have, want) -> bool:
+    if isinstance(want, bool) or isinstance(have, bool):
+        return have is want
+    if isinstance(want, (int, float)) and isinstance(have, (int, float)):
+        return math.isclose(have, want, rel_tol=1e-9, abs_tol=0.0)
+    if isinstance(want, list) and isinstance(have, (list, tuple)):
+        return len(have) == len(want) and all(_same(h, w) for h, w in zip(have, want))
+    return have == want
+
+
+def fill_auto(template: dict, v: RunValues, source: str = "DeepSpeed config") -> tuple[dict, list[str]]:
+    """The config DeepSpeed receives: every ``"auto"`` of ``template`` filled from ``v``, plus the problems.
+
+    A key vramfit decides (batch sizes, clipping, optimizer params, precision, fp16 loss scaling) takes
+    vramfit's value when it is ``"auto"`` or absent, and must equal it when explicit: each disagreement is
+    a problem (value, rule, fix), as the HF Trainer refuses mismatches. Bucket sizes follow the hidden size
+    when ``"auto"`` (explicit ones stay); ``pin_memory`` follows vramfit's decision when ``"auto"`` or absent
+    (DeepSpeed would pin by default, which DESIGN.md allows only when ``ulimit -l`` and free RAM do). The
+    catalogue's templates (:func:`resolve_ds_config`) and a user's JSON (:mod:`launcher.user_ds_config`)
+    both come through here."""
+    cfg = json.loads(json.dumps(template))
+    problems: list[str] = []
+
+    def settle(obj: dict, key: str, path: str, want, setting: str, fix, compare=None):
+        """``obj[key]`` = ``want`` unless an explicit value disagrees with ``compare`` (default ``want``)."""
+        have, ref = obj.get(key, AUTO), want if compare is None else compare
+        if have != AUTO and not _same(have, ref):
+            problems.append(f"{source} {path}: got {have!r}, but {setting} is {ref!r}; rule: a value vramfit also "
+                            f"sets must agree with it; fix: {fix(have)}, or \"{AUTO}\" in the JSON")
+        else:
+            obj[key] = want
+
+    per_step = v.micro_batch * v.world
+    settle(cfg, "train_micro_batch_size_per_gpu", "train_micro_batch_size_per_gpu", v.micro_batch,
+           "train.micro_batch_size", lambda g: f"train.micro_batch_size={g}")
+    settle(cfg, "gradient_accumulation_steps", "gradient_accumulation_steps", v.accumulation,
+           f"train.global_batch_size / (micro-batch {v.micro_batch} x {v.world} rank(s))",
+           lambda g: f"train.global_batch_size={g * per_step}" if isinstance(g, int) else "a whole number")
+    settle(cfg, "train_batch_size", "train_batch_size", per_step * v.accumulation, "train.global_batch_size",
+           lambda g: f"train.global_batch_size={g}")
+    settle(cfg, "gradient_clipping", "gradient_clipping", v.grad_clip, "train.grad_clip",
+           lambda g: f"train.grad_clip={g}")
+    opt = cfg.setdefault("optimizer", {"type": "AdamW"})  # none given: vramfit's AdamW from train.*
+    params = opt.setdefault("params", {})
+    settle(params, "lr", "optimizer.params.lr", v.lr, "train.lr", lambda g: f"train.lr={g}",
+           compare=v.peak_lr if v.peak_lr is not None else v.lr)  # explicit: the peak; written: the first step's
+    settle(params, "betas", "optimizer.params.betas", list(v.betas), "[train.beta1, train.beta2]",
+           lambda g: f"train.beta1={g[0]} train.beta2={g[1]}" if isinstance(g, list) and len(g) == 2 else "[B1, B2]")
+    settle(params, "eps", "optimizer.params.eps", v.eps, "train.eps", lambda g: f"train.eps={g}")
+    settle(params, "weight_decay", "optimizer.params.weight_decay", v.weight_decay, "train.weight_decay",
+           lambda g: f"train.weight_decay={g}")
+    for name in ("fp16", "bf16"):
+        on = v.precision == name
+        if on or name in cfg:
+            settle(cfg.setdefault(name, {}), "enabled", f"{name}.enabled", on, f"precision {v.precision}: {name}",
+                   lambda g, name=name: f"precision={name}" if g is True else f"{name}.enabled true")
+    fp16 = cfg.get("fp16")
+    if fp16 is not None:  # the scaling numbers must agree only when fp16 runs; "auto" is filled either way
+        for key, ours in (("loss_scale", None), *_FP16_SCALING):
+            want = 0 if ours is None else v.loss_scale[ours]
+            if fp16.get("enabled") is True:
+                settle(fp16, key, f"fp16.{key}", want, "dynamic loss scaling" if ours is None else f"loss_scale.{ours}",
+                       lambda g, ours=ours: "fp16.loss_scale 0" if ours is None else f"loss_scale.{ours}={g}")
+            elif fp16.get(key) == AUTO:
+                fp16[key] = want
+    zero = cfg.get("zero_optimization")
+    if isinstance(zero, dict):
+        for key, want in bucket_sizes(v.hidden_size).items():
+            if zero.get(key) == AUTO:
+                zero[key] = want
+        for key in ("offload_optimizer", "offload_param"):
+            if isinstance(zero.get(key), dict) and zero[key].get("pin_memory", AUTO) == AUTO:  # DeepSpeed: True
+                zero[key]["pin_memory"] = bool(v.pin_memory)
+    return cfg, problems
+
+
 def resolve_ds_config(p: Profile, *, micro_batch: int, accumulation: int, world: int, grad_clip: float, lr: float,
                       betas: tuple[float, float], eps: float, weight_decay: float, hidden_size: int,
                       pin_memory: bool, loss_scale: dict | None = None) -> dict:
     """Fill every ``"auto"`` of the profile's config. Raises if one would survive."""
-    cfg = json.loads(json.dumps(ds_config_template(p)))
-    cfg["train_micro_batch_size_per_gpu"] = micro_batch
-    cfg["gradient_accumulation_steps"] = accumulation
-    cfg["train_batch_size"] = micro_batch * accumulation * world
-    cfg["gradient_clipping"] = grad_clip
-    cfg["optimizer"]["params"] = {"lr": lr, "betas": list(betas), "eps": eps, "weight_decay": weight_decay}
-    zero = cfg["zero_optimization"]
-    for k, v in bucket_sizes(hidden_size).items():
-        if zero.get(k) == AUTO:
-            zero[k] = v
-    for k in ("offload_optimizer", "offload_param"):
-        if k in zero:
-            zero[k]["pin_memory"] = bool(pin_memory)
-    if p.precision == "fp16" and loss_scale:
-        cfg["fp16"].update({"initial_scale_power": loss_scale["initial_power"],
-                            "loss_scale_window": loss_scale["window"], "hysteresis": loss_scale["hysteresis"],
-                            "min_loss_scale": loss_scale["min_scale"]})
+    scaling = dict(LOSS_SCALE, **(loss_scale or {}))
+    template = ds_config_template(p)
+    if p.precision == "fp16":  # the catalogue's fp16 numbers are vramfit's loss_scale.* settings
+        template["fp16"].update({ds: scaling[ours] for ds, ours in _FP16_SCALING})
+    v = RunValues(p.precision, micro_batch, accumulation, world, grad_clip, lr, tuple(betas), eps, weight_decay,
+                  hidden_size, pin_memory, scaling)
+    cfg, problems = fill_auto(template, v, f"profile {p.name}")
     left = find_auto(cfg)
-    if left:
-        raise RuntimeError(f"unresolved 'auto' in the DeepSpeed config of {p.name}: {left}")
+    if problems or left:
+        raise RuntimeError(f"the DeepSpeed config of {p.name} does not resolve: {problems or left}")
     return cfg
 
 

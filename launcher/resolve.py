@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from launcher import advice, availability, planner
+from launcher import advice, availability, planner, user_ds_config
 from launcher.config import AUTO, Config, ConfigError
 from launcher.hardware import Hardware
 from launcher.ladder import Rung
@@ -32,6 +32,7 @@ class RunSpec:
     reasons: tuple[str, ...] = ()
     plan: planner.Plan | None = field(default=None, compare=False)
     usable: tuple[Profile, ...] = ()  # profiles the OOM ladder may move to, fastest first
+    user_ds: user_ds_config.UserDsConfig | None = None  # deepspeed_config: the user's JSON, "auto" still open
 
     @property
     def engine(self) -> str:
@@ -43,7 +44,7 @@ class RunSpec:
 
     def at(self, rung: Rung) -> RunSpec:
         """The same run at another rung of the OOM ladder (or a resumed run's rung)."""
-        p = PROFILES[rung.profile]
+        p = self.profile if rung.profile == self.profile.name else PROFILES[rung.profile]
         return replace(self, profile=p, precision=p.precision, micro_batch=rung.micro_batch,
                        accumulation=rung.accumulation, checkpointing=rung.checkpointing)
 
@@ -56,8 +57,9 @@ class RunSpec:
 def resolve(cfg: Config, hw: Hardware, world: int = 1, local_rank: int = 0) -> RunSpec:
     avail = availability.assess(cfg, hw, local_rank)
     reasons = [f"device {avail.device}", avail.precision_reason]
-    if cfg.profile != AUTO:
-        chosen = PROFILES[cfg.profile]
+    user = avail.user
+    if user is not None or cfg.profile != AUTO:
+        chosen = user.profile if user is not None else PROFILES[cfg.profile]
         problem = avail.problems.get(chosen.name)
         if problem:
             alt = availability.assess(replace(cfg, profile=AUTO, engine=AUTO, precision=chosen.precision), hw,
@@ -67,7 +69,11 @@ def resolve(cfg: Config, hw: Hardware, world: int = 1, local_rank: int = 0) -> R
                                f"fix: {fix}" + (" or pip install 'vramfit[deepspeed]'" if "not installed" in problem
                                                 else "")])
         plan = planner.plan(cfg, hw, [chosen.name], world=world)
-        reasons.append(f"profile {chosen.name} as asked")
+        if user is not None:
+            reasons.append(f"profile {chosen.name} from deepspeed_config {cfg.deepspeed_config}")
+            reasons += list(user.notices)
+        else:
+            reasons.append(f"profile {chosen.name} as asked")
         row = plan.get(chosen.name)
         if row is not None and not row.fits:
             if row.cpu_bytes > plan.budget["cpu_bytes"]:  # a host OOM kill loses the run: refuse before loading
@@ -95,7 +101,10 @@ def resolve(cfg: Config, hw: Hardware, world: int = 1, local_rank: int = 0) -> R
         if why_engine:
             reasons.append(why_engine)
     micro = cfg.train.micro_batch_size
-    if micro == AUTO:
+    if micro == AUTO and user is not None and user.micro_batch:
+        micro = user.micro_batch
+        reasons.append(f"micro-batch {micro} from deepspeed_config")
+    elif micro == AUTO:
         micro = plan.micro_batch or 1
         reasons.append(f"micro-batch {micro} from the planner")
     per_step = micro * world
@@ -103,7 +112,17 @@ def resolve(cfg: Config, hw: Hardware, world: int = 1, local_rank: int = 0) -> R
         raise ConfigError([f"train.global_batch_size: got {cfg.train.global_batch_size}; rule: a multiple of "
                            f"micro-batch {micro} x {world} rank(s) = {per_step}; fix: "
                            f"train.global_batch_size={max(per_step, cfg.train.global_batch_size // per_step * per_step)}"])
-    # The OOM ladder may move to any profile of this precision and engine that can run, offload included.
-    ladder = availability.assess(replace(cfg, profile=AUTO, precision=chosen.precision), hw, local_rank)
-    return RunSpec(avail.device, avail.precision, chosen, micro, cfg.train.global_batch_size // per_step, world,
-                   bool(cfg.model.gradient_checkpointing), tuple(reasons), plan, tuple(ladder.usable(allow_offload=True)))
+    accumulation = cfg.train.global_batch_size // per_step
+    if user is not None:
+        # Every explicit value against the run's, and DeepSpeed's verdict on the filled config, before anything
+        # loads; pin_memory is decided with the model (engines.build) and does not change the verdict. Then the
+        # batch keys are opened, so the OOM ladder may halve the micro-batch (the global batch stays).
+        user_ds_config.resolve(user, user_ds_config.run_values(cfg, avail.precision, micro, accumulation, world,
+                                                               plan.model["hidden_size"], False, cfg.train.lr))
+        user, ladder = user.with_batch_auto(), ()  # a custom profile never moves to a catalogue one
+    else:
+        # The OOM ladder may move to any profile of this precision and engine that can run, offload included.
+        ladder = availability.assess(replace(cfg, profile=AUTO, precision=chosen.precision), hw,
+                                     local_rank).usable(allow_offload=True)
+    return RunSpec(avail.device, avail.precision, chosen, micro, accumulation, world,
+                   bool(cfg.model.gradient_checkpointing), tuple(reasons), plan, tuple(ladder), user)

@@ -28,6 +28,7 @@ from launcher.ladder import Rung, next_move
 from launcher.log import logger
 from launcher.models import build_model, count_params, enable_checkpointing, load_tokenizer, model_config, weight_dtype
 from launcher.monitor import MemoryMonitor
+from launcher.profiles import PROFILES
 from launcher.resolve import RunSpec, resolve
 from launcher.rundir import RunDir, default_run_name, read_json
 from launcher.schedule import lr_at
@@ -82,8 +83,14 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None) -> dict:
         if diff:
             raise ConfigError([f"checkpoint {resume_from}: settings changed since it was written; rule: these must "
                                f"match to resume; fix: restore them or choose another run_name. Changes: {'; '.join(diff)}"])
-        if marker.get("rung"):  # continue where the OOM ladder had got to
-            spec = spec.at(Rung(**marker["rung"]))
+        rung = Rung(**marker["rung"]) if marker.get("rung") else spec.rung
+        custom = rung.profile not in PROFILES  # written by a deepspeed_config run (its custom row)
+        if (custom or spec.user_ds is not None) and rung.profile != spec.profile.name:
+            raise ConfigError([f"checkpoint {resume_from}: written by profile {rung.profile}, this run is "
+                               f"{spec.profile.name}; rule: a run with its own deepspeed_config resumes with the same "
+                               "JSON layout, and a catalogue run without one; fix: the deepspeed_config the run "
+                               "started with (or none), or another run_name"])
+        spec = spec.at(rung)  # continue where the OOM ladder had got to
     rd.write_text("config.yaml", to_yaml(replace(cfg, run_name=run_name, model=replace(
         cfg.model, gradient_checkpointing=spec.checkpointing))))
     if spec.plan is not None:

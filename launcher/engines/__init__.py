@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from launcher import user_ds_config
 from launcher.engines.amp import AmpEngine
 from launcher.engines.deepspeed import DeepSpeedEngine
 from launcher.engines.fsdp import FsdpEngine
@@ -24,10 +25,20 @@ def build(cfg, spec, model, hw: Hardware, hidden_size: int, lr: float):
         pin, why = pin_memory_ok(hw, 16 * n_train) if spec.profile.offloads else (False, "")
         if spec.profile.offloads:
             logger.info(f"pin_memory {'on' if pin else 'off'}: {why}")
-        ds_config = resolve_ds_config(spec.profile, micro_batch=spec.micro_batch, accumulation=spec.accumulation,
-                                      world=spec.world, grad_clip=t.grad_clip, lr=lr, betas=betas, eps=t.eps,
-                                      weight_decay=t.weight_decay, hidden_size=hidden_size, pin_memory=pin,
-                                      loss_scale=vars(cfg.loss_scale))
+        if spec.user_ds is not None:  # deepspeed_config: the user's JSON, its "auto" filled like a profile's
+            ds_config = user_ds_config.resolve(spec.user_ds, user_ds_config.run_values(
+                cfg, spec.precision, spec.micro_batch, spec.accumulation, spec.world, hidden_size, pin, lr))
+            zero = ds_config.get("zero_optimization", {})
+            for k in ("offload_optimizer", "offload_param"):
+                asked = spec.user_ds.template.get("zero_optimization", {}).get(k, {}).get("pin_memory")
+                if isinstance(asked, bool) and asked != pin and isinstance(zero.get(k), dict):
+                    logger.info(f"{k}.pin_memory {str(asked).lower()} as deepspeed_config asks (vramfit would choose "
+                                f"{'on' if pin else 'off'}: {why})")
+        else:
+            ds_config = resolve_ds_config(spec.profile, micro_batch=spec.micro_batch, accumulation=spec.accumulation,
+                                          world=spec.world, grad_clip=t.grad_clip, lr=lr, betas=betas, eps=t.eps,
+                                          weight_decay=t.weight_decay, hidden_size=hidden_size, pin_memory=pin,
+                                          loss_scale=vars(cfg.loss_scale))
         return DeepSpeedEngine(model, ds_config=ds_config, param_groups=groups, device=spec.device), ds_config
     if spec.engine == "fsdp":
         pin, why = pin_memory_ok(hw, 8 * n_train)  # the fp32 weight and gradient shards FSDP keeps on the CPU

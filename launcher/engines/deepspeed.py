@@ -1,7 +1,8 @@
 """DeepSpeed ZeRO (stage 2 and 3, optimizer and parameter offload) behind the engine protocol.
 
-The config DeepSpeed receives is fully resolved by :func:`launcher.profiles.resolve_ds_config` (no
-``"auto"``); the loop owns the schedule and sets the lr on the optimizer's param groups each step.
+The config DeepSpeed receives is fully resolved by :func:`launcher.profiles.fill_auto` (no ``"auto"``), from
+a catalogue profile or a user's ``deepspeed_config``; the loop owns the schedule and sets the lr on the
+optimizer's param groups each step.
 DeepSpeed wants ``engine.step()`` after every micro-batch; it only updates at the accumulation
 boundary, so ``forward_backward`` calls it for the non-boundary micro-batches.
 """

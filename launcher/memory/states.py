@@ -77,7 +77,7 @@ def model_states(p: Profile, run: RunShape, accumulation: int) -> dict:
     opt = OPTIMIZER_BYTES_PER_PARAM[run.optimizer]
     largest_trainable = c.largest_adapter if lora else c.largest_param
     h = run.hidden
-    rb = bucket_sizes(h)["reduce_bucket_size"]
+    rb = p.reduce_bucket_size or bucket_sizes(h)["reduce_bucket_size"]
     fb: dict = {}
     step: dict = {}
     cpu: dict = {}
@@ -99,8 +99,11 @@ def model_states(p: Profile, run: RunShape, accumulation: int) -> dict:
         add_part(step, "buffers", AMP_OPTIMIZER_WORKSPACE * trainable)
         if run.quantize in QUANT_BYTES_PER_PARAM:  # bitsandbytes dequantizes one weight at a time
             add_part(fb, "buffers", c.largest_module * cd)
-    elif p.engine == "deepspeed" and p.zero_stage == 2:
+    elif p.engine == "deepspeed" and p.zero_stage in (0, 1, 2):
         # The module is cast to the compute dtype; trainable params are views into one flat 16-bit buffer.
+        # Stages 0 and 1 (only from a user's deepspeed_config) are planned with this stage-2 arithmetic: on one
+        # rank no stage partitions anything, and each keeps 16-bit weights, a gradient copy and fp32 master +
+        # Adam moments (stage 1 in DeepSpeed's ZeRO-1/2 optimizer itself; stage 0 in its bf16/fp16 optimizer).
         w = (base + c.adapters) * cd if lora else base * cd
         load = w
         bucket_bytes = 2 * rb * cd  # ipg double buffer (overlap_comm)
@@ -127,8 +130,9 @@ def model_states(p: Profile, run: RunShape, accumulation: int) -> dict:
     elif p.engine == "deepspeed" and p.zero_stage == 3:
         # Parameters live partitioned on the CPU; the GPU gathers the module in use plus the prefetch bucket.
         b = bucket_sizes(h)
+        prefetch = p.prefetch_bucket_size if p.prefetch_bucket_size is not None else b["stage3_prefetch_bucket_size"]
         small = c.small_params
-        live = (c.largest_module + b["stage3_prefetch_bucket_size"]) * cd + small * cd
+        live = (c.largest_module + prefetch) * cd + small * cd
         load = (base + c.adapters) * cd
         for d in (fb, step):
             add_part(d, "weights", live)
