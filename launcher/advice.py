@@ -47,7 +47,7 @@ def suggestions(cfg: Config, hw: Hardware, profiles=None, world: int = 1) -> tup
     singles: list[list[str]] = []
     if cfg.lora.r == 0:
         singles.append(["lora.r=16"])
-    if not cfg.model.gradient_checkpointing:
+    if cfg.model.gradient_checkpointing is False:  # auto: the planner has tried it already
         singles.append(["model.gradient_checkpointing=true"])
     if cfg.train.micro_batch_size not in (1,):
         singles.append(["train.micro_batch_size=1"])
@@ -60,7 +60,7 @@ def suggestions(cfg: Config, hw: Hardware, profiles=None, world: int = 1) -> tup
     # cumulative: checkpointing, then micro-batch 1, then LoRA, then 4-bit base, then shorter sequences
     combo: list[str] = []
     combos: list[list[str]] = []
-    for step in (["model.gradient_checkpointing=true"] if not cfg.model.gradient_checkpointing else [],
+    for step in (["model.gradient_checkpointing=true"] if cfg.model.gradient_checkpointing is False else [],
                  ["train.micro_batch_size=1"] if cfg.train.micro_batch_size != 1 else [],
                  ["lora.r=16"] if cfg.lora.r == 0 else [],
                  ["model.quantize=4bit", "engine=auto", "profile=auto"]

@@ -222,9 +222,11 @@ def run_one(path: str | None, overrides: list[str], profile: str, name: str, out
                    peak_cpu_rss_bytes=max(x for x in (hwm, s.get("peak_cpu_rss_bytes"), 0) if x is not None) or None,
                    memory_warnings=s.get("memory_warnings") or [])
         # the run's own prediction, when it has one, is the one for exactly what ran
-        for k in ("predicted_gpu_bytes", "predicted_cpu_bytes"):
+        for k in ("predicted_gpu_bytes", "predicted_cpu_bytes", "predicted_step_s"):
             if s.get(k):
                 row[k] = s[k]
+        row.update(profile_run=s.get("profile"), gradient_checkpointing=s.get("gradient_checkpointing"),
+                   checkpoint_every=s.get("checkpoint_every"))
     else:
         row.update(peak_gpu_bytes=None, peak_cpu_rss_bytes=None)
     row.update(timeline_peaks(os.path.join(run_dir, "memory.csv")))

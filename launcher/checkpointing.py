@@ -32,6 +32,15 @@ def enable(model: nn.Module, every: int = 1) -> None:
     base.config.use_cache = False
 
 
+def disable(model: nn.Module) -> None:
+    """No layer recomputes (undo :func:`enable`)."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    for layer in _layers(base):
+        layer.gradient_checkpointing = False
+    if hasattr(base, "gradient_checkpointing"):
+        base.gradient_checkpointing = False
+
+
 def checkpointed_layers(model: nn.Module) -> list[bool]:
     """Which decoder layers recompute in backward (for tests and the log)."""
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model

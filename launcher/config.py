@@ -49,7 +49,11 @@ PRECISIONS = ("auto", "fp16", "bf16", "fp32")
 @dataclass
 class ModelConfig:
     name: str = _f("tiny", "Preset name (tiny, llama-125m ... llama-13b), a local HF model directory, or a hub id.")
-    gradient_checkpointing: bool = _f(False, "Recompute each layer's activations in backward: ~30% slower, keeps only layer inputs.")
+    gradient_checkpointing: Any = _f(AUTO, "Recompute layers' activations in backward (~30% slower, keeps only layer "
+                                     "inputs): true, false, or auto (the planner picks off, every k-th layer or all: "
+                                     "the fastest that fits).", auto=True, number=bool)
+    checkpoint_every: int = _f(1, "With gradient_checkpointing=true: checkpoint every N-th decoder layer (1 = all); the "
+                               "layers in between keep their activations and skip the recompute.", min=1)
     attn_implementation: str = _f("auto", "Attention kernel: auto (sdpa where available), eager or sdpa.",
                                   choices=("auto", "eager", "sdpa"))
     quantize: str = _f("none", "Base weights in 4-bit NF4 (QLoRA) or 8-bit; needs bitsandbytes and LoRA.",

@@ -308,11 +308,13 @@ def machine(spec: GPUSpec, host: Machine) -> Machine:
     # DMA engine moves them over the link. Whichever is slower bounds it.
     pageable = min(pcie, host.host.memory_bytes_per_s / 2)
     link = {"pinned": pcie, "pageable": pageable}
-    optimizers = {k: list(v) for k, v in host.optimizers.items() if k not in GPU_OPTIMIZERS and k != "bnb_adamw8bit"}
+    # The host's CPU optimizers stay (offload profiles step on the CPU); the GPU's are priced from its bandwidth.
+    optimizers = {k: list(v) for k, v in host.optimizers.items() if k.endswith("@cpu")}
     for kind in GPU_OPTIMIZERS:
         # The per-tensor cost is the host's: launching the fused kernels over each chunk of tensors.
-        per_tensor = (host.optimizers.get(kind) or host.optimizers.get("torch_fused_adamw") or (0.0, 0.0))[1]
-        optimizers[kind] = [ADAMW_BYTES_PER_PARAM / bandwidth, per_tensor]
+        per_tensor = (host.optimizers.get(f"{kind}@cuda") or host.optimizers.get(f"{kind}@cpu")
+                      or host.optimizers.get("torch_fused_adamw@cpu") or (0.0, 0.0))[1]
+        optimizers[f"{kind}@cuda"] = [ADAMW_BYTES_PER_PARAM / bandwidth, per_tensor]
     source = (f"{spec.source}: dense tensor-core and FP32 peaks, {spec.bandwidth_gb_s:g} GB/s, PCIe "
               f"{spec.pcie_gen}.0 x{spec.pcie_lanes}; {op_source}; host CPU, CPU optimizers and engine fixed costs "
               f"from {host.name} ({host.source}), standing in for the rented host's CPU")

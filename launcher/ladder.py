@@ -2,7 +2,7 @@
 
 1. halve the micro-batch and double accumulation (the global batch, hence the math, is unchanged),
    down to 1;
-2. turn on gradient checkpointing (~30% slower, keeps only layer inputs);
+2. turn on gradient checkpointing on every layer (~30% slower, keeps only layer inputs);
 3. move to the next profile of the same precision that offloads more (slower, frees GPU memory).
 Pure: the loop applies the move and records it in ``summary.json`` ``fallbacks``.
 """
@@ -20,6 +20,7 @@ class Rung:
     accumulation: int
     checkpointing: bool
     profile: str
+    checkpoint_every: int = 1  # with checkpointing: every k-th decoder layer
 
 
 @dataclass(frozen=True)
@@ -44,9 +45,10 @@ def next_move(now: Rung, usable: list[Profile], what: str = "out of memory") -> 
         acc = now.accumulation * (now.micro_batch // micro)
         return Move(Rung(micro, acc, now.checkpointing, now.profile), "micro_batch",
                     f"{what}: micro-batch {now.micro_batch} -> {micro}, accumulation {now.accumulation} -> {acc}")
-    if not now.checkpointing:
-        return Move(Rung(now.micro_batch, now.accumulation, True, now.profile), "checkpointing",
-                    f"{what} at micro-batch {now.micro_batch}: gradient checkpointing on")
+    if not now.checkpointing or now.checkpoint_every > 1:
+        what_now = "on" if not now.checkpointing else f"on every layer (was every {now.checkpoint_every})"
+        return Move(Rung(now.micro_batch, now.accumulation, True, now.profile, 1), "checkpointing",
+                    f"{what} at micro-batch {now.micro_batch}: gradient checkpointing {what_now}")
     current = PROFILES.get(now.profile)  # None: a deepspeed_config's custom profile, which never moves
     nxt = more_offload(current, usable) if current is not None else None
     if nxt is not None:

@@ -80,7 +80,8 @@ def load_tokenizer(cfg: Config):
 
 
 def build_model(cfg: Config, dtype: torch.dtype = torch.float32, hf_config=None, *,
-                device: torch.device | None = None, precision: str = "fp32", checkpointing: bool = False):
+                device: torch.device | None = None, precision: str = "fp32", checkpointing: bool = False,
+                checkpoint_every: int = 1):
     """Instantiate the model in ``dtype``: random init for presets, weights from a directory/hub; then
     bitsandbytes quantization (``model.quantize``, done on ``device``), activation checkpointing and LoRA
     (``lora.r > 0``)."""
@@ -106,7 +107,7 @@ def build_model(cfg: Config, dtype: torch.dtype = torch.float32, hf_config=None,
         quantize.keep_4bit_weights_trainable(model)
         logger.info(f"model.quantize={quant}: {quantize.describe(model)}")
     if checkpointing:
-        enable_checkpointing(model)
+        enable_checkpointing(model, checkpoint_every)
     if cfg.lora.r > 0:
         model = lora.apply_lora(cfg, model, lora.base_name_for(cfg))
     return model

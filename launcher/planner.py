@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from launcher import availability, hfconfig, user_ds_config
+from launcher import availability, hfconfig, steptime, user_ds_config
 from launcher.availability import Availability
 from launcher.config import AUTO, Config
-from launcher.hardware import Hardware
+from launcher.hardware import Hardware, pin_memory_ok
 from launcher.memory.shape import count_params
 from launcher.memory.states import (
     ALLOCATOR_SLACK,
@@ -42,6 +42,7 @@ from launcher.memory.states import (
 from launcher.memory.trace import ActivationEstimate, TraceSettings, estimate_activations
 from launcher.precision import DTYPES
 from launcher.profiles import PROFILES, Profile
+from launcher.steptime import Machine
 from launcher.units import GiB, gib
 
 PHASES = ("forward_backward", "optimizer_step")
@@ -66,6 +67,20 @@ class ProfilePlan:
     peak_phase: str = "forward_backward"
     phases: dict = field(default_factory=dict)  # {"forward_backward": {part: bytes}, "optimizer_step": {...}}
     lower_bound: bool = False  # model states alone exceed a budget, so activations were not traced
+    checkpointing: bool = False  # activation checkpointing in this row's setting
+    checkpoint_every: int = 1  # with checkpointing: every k-th decoder layer recomputes
+    step_s: float | None = None  # predicted seconds per optimizer step (None: no machine speeds to price it)
+    tokens_per_s: float | None = None
+    eta_s: float | None = None  # the whole run (train.max_steps steps)
+    time_parts: dict = field(default_factory=dict)  # part -> seconds per step (launcher.steptime)
+    time_notes: list = field(default_factory=list)
+
+    @property
+    def setting(self) -> str:
+        """'micro-batch 8, checkpointing every 2nd layer' and the like."""
+        ck = "off" if not self.checkpointing else ("every layer" if self.checkpoint_every == 1
+                                                    else f"every {_nth(self.checkpoint_every)} layer")
+        return f"micro-batch {self.micro_batch}, checkpointing {ck}"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -84,6 +99,9 @@ class Plan:
     assumptions: dict = field(default_factory=dict)
     activations: dict = field(default_factory=dict)  # trace summaries by family
     seconds: float = 0.0
+    machine: str | None = None  # whose speeds priced the steps (None: not priced, speed ranks decide)
+    candidates: list = field(default_factory=list)  # every setting that fits, fastest first (profile, setting, step_s)
+    runner_up: dict | None = None  # the second best, and why it lost
 
     def get(self, name: str) -> ProfilePlan | None:
         return next((p for p in self.profiles if p.profile == name), None)
@@ -103,7 +121,8 @@ class Plan:
                 "budget": dict(self.budget), "suggestions": list(self.suggestions),
                 "suggested_overrides": [list(o) for o in self.suggested_overrides], "model": self.model,
                 "settings": self.settings, "assumptions": self.assumptions, "activations": self.activations,
-                "seconds": round(self.seconds, 3)}
+                "seconds": round(self.seconds, 3), "machine": self.machine, "candidates": list(self.candidates),
+                "runner_up": self.runner_up}
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=2)
@@ -165,7 +184,9 @@ def _family(p: Profile) -> str:
 
 
 def _trace_settings(run: RunShape, family: str, micro_batch: int) -> TraceSettings:
-    cd = DTYPES[run.precision]
+    # fp16 is traced as bf16: the same sizes, the same autocast lists, one trace for both (the op record is
+    # relabelled in _activations), which halves the traces of a plan across GPUs (vramfit plan --compare-gpus)
+    cd = DTYPES["bf16" if run.precision == "fp16" else run.precision]
     if family == "fp32":
         pdt, adt, ac = torch.float32, torch.float32, None
     elif family == "16bit":
@@ -175,7 +196,8 @@ def _trace_settings(run: RunShape, family: str, micro_batch: int) -> TraceSettin
     kernel = _attention_kernel(run, cd if ac is not None or family == "16bit" else torch.float32)
     return TraceSettings(batch_size=micro_batch, seq_len=run.seq_len, param_dtype=pdt, adapter_dtype=adt,
                          autocast_dtype=ac, target=run.device, attn_implementation=run.attn_implementation,
-                         attention_kernel=kernel, gradient_checkpointing=run.checkpointing, lora_r=run.lora_r,
+                         attention_kernel=kernel, gradient_checkpointing=run.checkpointing,
+                         checkpoint_every=run.checkpoint_every if run.checkpointing else 1, lora_r=run.lora_r,
                          lora_targets=run.lora_targets, lora_dropout=run.lora_dropout)
 
 
@@ -183,14 +205,22 @@ class PlanError(RuntimeError):
     """The model could not be measured (its forward does not run on the meta device)."""
 
 
-def _activations(run: RunShape, family: str, micro_batch: int) -> ActivationEstimate:
+def _activations(run: RunShape, family: str, micro_batch: int, exact: bool = True) -> ActivationEstimate:
     try:
-        return estimate_activations(run.config, _trace_settings(run, family, micro_batch), run.trust_remote_code)
+        return estimate_activations(run.config, _trace_settings(run, family, micro_batch), run.trust_remote_code,
+                                    exact)
     except Exception as e:
         arch = type(run.config).__name__.replace("Config", "")
         raise PlanError(f"the activation trace of {arch} failed on the meta device ({type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''}); the memory plan needs it. Fix: name a "
                         "profile (profile=NAME) to train without the plan, and report the model") from e
+
+
+def _ops(est: ActivationEstimate, run: RunShape) -> dict:
+    """The op record of a trace, in the run's dtype names (fp16 runs are traced as bf16)."""
+    if run.precision != "fp16":
+        return est.ops
+    return {(k, "float16" if d == "bfloat16" else d, f, b): c for (k, d, f, b), c in est.ops.items()}
 
 
 _ACT_PARTS = {"embeddings": "activations", "layer": "activations", "other": "activations",
@@ -216,7 +246,8 @@ def _phase_total(parts: dict) -> int:
 
 
 def _plan_profile(p: Profile, run: RunShape, micro_batch: int, gpu_budget: int, cpu_budget: int,
-                  skip_trace_over_budget: bool = True) -> ProfilePlan:
+                  skip_trace_over_budget: bool = True, machine: Machine | None = None, pinned: bool = False,
+                  max_steps: int = 0, exact: bool = True) -> ProfilePlan:
     accumulation = max(1, run.global_batch // (micro_batch * run.world))
     st = model_states(p, run, accumulation)
     runtime = CPU_RUNTIME_BYTES[run.device]
@@ -229,10 +260,11 @@ def _plan_profile(p: Profile, run: RunShape, micro_batch: int, gpu_budget: int, 
     over = (on_gpu and states_gpu > gpu_budget) or states_cpu > cpu_budget
     fb = dict(st["gpu_fb"])
     lower_bound = False
+    est = None
     if over and skip_trace_over_budget:
         lower_bound = True
     else:
-        est = _activations(run, _family(p), micro_batch)
+        est = _activations(run, _family(p), micro_batch, exact)
         grads_from_trace = p.engine == "amp" and accumulation == 1
         for part, n in _activation_parts(est, with_grads=grads_from_trace).items():
             add_part(fb, part, n)
@@ -267,11 +299,19 @@ def _plan_profile(p: Profile, run: RunShape, micro_batch: int, gpu_budget: int, 
         if cpu_bytes > cpu_budget:
             bits.append(f"CPU {'>= ' if lower_bound else ''}{gib(cpu_bytes)} > budget {gib(cpu_budget)}")
         why = "; ".join(bits)
-    return ProfilePlan(profile=p.name, engine=p.engine, precision=p.precision, device=run.device,
-                       gpu_bytes=gpu_bytes, cpu_bytes=cpu_bytes, fits=fits,
-                       parts={"gpu": gpu_parts, "cpu": cpu_parts}, speed_rank=p.speed_rank, micro_batch=micro_batch,
-                       accumulation=accumulation, why_not=why, gpu_tensor_bytes=tensor_peak if on_gpu else 0,
-                       peak_phase=peak_phase, phases=phases if on_gpu else {}, lower_bound=lower_bound)
+    row = ProfilePlan(profile=p.name, engine=p.engine, precision=p.precision, device=run.device,
+                      gpu_bytes=gpu_bytes, cpu_bytes=cpu_bytes, fits=fits,
+                      parts={"gpu": gpu_parts, "cpu": cpu_parts}, speed_rank=p.speed_rank, micro_batch=micro_batch,
+                      accumulation=accumulation, why_not=why, gpu_tensor_bytes=tensor_peak if on_gpu else 0,
+                      peak_phase=peak_phase, phases=phases if on_gpu else {}, lower_bound=lower_bound,
+                      checkpointing=run.checkpointing, checkpoint_every=run.checkpoint_every if run.checkpointing else 1)
+    if machine is not None and est is not None:
+        t = steptime.predict(p, machine, ops=_ops(est, run), counts=run.counts, micro_batch=micro_batch,
+                             accumulation=accumulation, seq_len=run.seq_len, world=run.world, pinned=pinned,
+                             optimizer=run.optimizer, lora=run.lora_r > 0)
+        row.step_s, row.tokens_per_s, row.time_parts, row.time_notes = t.step_s, t.tokens_per_s, t.parts, t.notes
+        row.eta_s = t.step_s * max_steps if max_steps else None
+    return row
 
 
 def _micro_batch_candidates(run: RunShape, asked) -> list[int]:
@@ -299,20 +339,24 @@ def make_shape(cfg: Config, hw: Hardware, avail: Availability, world: int = 1) -
                     capability=hw.gpu(avail.device.index or 0).capability if device == "cuda" else (0, 0),
                     precision=avail.precision, seq_len=int(cfg.data.seq_len),
                     global_batch=int(cfg.train.global_batch_size), world=world,
-                    checkpointing=bool(cfg.model.gradient_checkpointing),
+                    checkpointing=cfg.model.gradient_checkpointing is True,
+                    checkpoint_every=int(cfg.model.checkpoint_every),
                     attn_implementation="sdpa" if cfg.model.attn_implementation == AUTO else cfg.model.attn_implementation,
                     lora_r=int(cfg.lora.r), lora_targets=targets, lora_dropout=float(cfg.lora.dropout),
                     quantize=cfg.model.quantize, optimizer=cfg.train.optimizer,
                     trust_remote_code=bool(cfg.model.trust_remote_code))
 
 
-def plan(cfg: Config, hw: Hardware, profiles: list[str] | None = None, *, world: int = 1) -> Plan:
+def plan(cfg: Config, hw: Hardware, profiles: list[str] | None = None, *, world: int = 1,
+         machine: Machine | None = None) -> Plan:
     """Plan every profile of the run's precision and choose the fastest one that fits.
 
     ``profiles``: plan only these; default: every profile of the run's precision (and the asked one).
     When nothing fits, :func:`launcher.advice.add_suggestions` says what would. ``cfg.engine`` restricts
     the choice to one engine, ``cfg.profile`` to one profile; every listed profile is still planned and
-    reported, with why it cannot be chosen. ``world``: ranks of the run.
+    reported, with why it cannot be chosen. ``world``: ranks of the run. ``machine``: the speeds that price
+    each setting's step (:mod:`launcher.steptime`): then the fastest predicted setting that fits wins, over
+    profiles, micro-batches and checkpointing; without it, speed ranks decide (as the catalogue orders them).
     """
     t0 = time.perf_counter()
     avail = availability.assess(cfg, hw)
@@ -327,39 +371,117 @@ def plan(cfg: Config, hw: Hardware, profiles: list[str] | None = None, *, world:
         names = [avail.user.profile.name]
         if asked == AUTO and avail.user.micro_batch:
             asked = avail.user.micro_batch
-    rows = [_best_micro_batch(avail.profile(n), run, asked, gpu_budget, cpu_budget, avail.why_not(n)) for n in names]
+    pinned, _why = pin_memory_ok(hw, 16 * run.counts.trainable) if run.device == "cuda" else (False, "")
+    searched = [_best_setting(avail.profile(n), run, cfg, asked, gpu_budget, cpu_budget, avail.why_not(n), machine,
+                              pinned) for n in names]
+    rows = [row for row, _ in searched]
     if avail.user is not None:  # its explicit batch sizes, clipping and optimizer params against the run's
         r = rows[0]
         user_ds_config.resolve(avail.user, user_ds_config.run_values(cfg, avail.precision, r.micro_batch,
                                                                      r.accumulation, run.world, run.hidden, False,
                                                                      cfg.train.lr))
     pool = [r for r in rows if r.available]
-    fitting = sorted((r for r in pool if r.fits), key=lambda r: availability.rank_key(avail.profile(r.profile)))
+
+    def order(r: ProfilePlan):
+        tie = availability.rank_key(avail.profile(r.profile))
+        return (r.step_s, tie) if machine is not None and r.step_s is not None else (tie, not r.checkpointing)
+
+    fitting = sorted((r for r in pool if r.fits), key=order)
     chosen = fitting[0] if fitting else None
+    every = sorted((c for row, cands in searched if row.available for c in cands), key=order)
     reason = _reason(chosen, pool, rows, cfg, gpu_budget, cpu_budget, run)
     out = Plan(profiles=rows, chosen=chosen.profile if chosen else None, reason=reason,
                budget={"gpu_bytes": gpu_budget, "cpu_bytes": cpu_budget, "gpu_source": sources["gpu"],
                        "cpu_source": sources["cpu"]},
                model=_model_summary(cfg, run), settings=_settings(cfg, run, avail.precision_reason),
-               assumptions=_assumptions(run), activations=_activation_summary(run, rows, avail))
+               assumptions=_assumptions(run, machine), activations=_activation_summary(run, rows, avail),
+               machine=machine.name if machine is not None else None,
+               candidates=[{"profile": c.profile, "setting": c.setting, "micro_batch": c.micro_batch,
+                            "checkpointing": c.checkpointing, "checkpoint_every": c.checkpoint_every,
+                            "step_s": c.step_s, "tokens_per_s": c.tokens_per_s} for c in every])
+    if chosen is not None and len(every) > 1:
+        second = every[1] if every[0] is chosen else every[0]
+        if machine is not None and second.step_s and chosen.step_s:
+            why = (f"predicted {second.step_s:.3g} s/step against {chosen.step_s:.3g} "
+                   f"({second.step_s / chosen.step_s:.2f}x slower)")
+        else:
+            why = "slower by the speed ranks (no machine speeds to price steps)"
+        out.runner_up = {"profile": second.profile, "setting": second.setting, "step_s": second.step_s, "why": why}
     out.seconds = time.perf_counter() - t0
     return out
 
 
-def _best_micro_batch(p: Profile, run: RunShape, asked, gpu_budget: int, cpu_budget: int,
-                      blocked: str | None) -> ProfilePlan:
-    """The largest candidate micro-batch that fits (a profile that cannot run is shown at the largest)."""
-    best = None
-    candidates = _micro_batch_candidates(run, asked)
-    for b in candidates[:1] if blocked else candidates:
-        row = _plan_profile(p, run, b, gpu_budget, cpu_budget)
-        best = row
-        if row.fits:
-            break
+def checkpoint_options(cfg: Config, layers: int) -> list[tuple[bool, int]]:
+    """(checkpointing, every k-th layer) settings to try, least recompute first. ``auto``: off, every 4th
+    and every 2nd layer (where the model has more layers than that), every layer: each step of that ladder
+    roughly halves what the last one recomputes, and every setting costs the planner its own traces."""
+    asked = cfg.model.gradient_checkpointing
+    if asked is True:
+        return [(True, int(cfg.model.checkpoint_every))]
+    if asked is False:
+        return [(False, 1)]
+    return [(False, 1)] + [(True, k) for k in (4, 2) if k < layers] + [(True, 1)]
+
+
+def _best_setting(p: Profile, run: RunShape, cfg: Config, asked, gpu_budget: int, cpu_budget: int,
+                  blocked: str | None, machine: Machine | None, pinned: bool) -> tuple[ProfilePlan, list]:
+    """The fastest setting of profile ``p`` that fits (micro-batch x checkpointing), and every fitting setting
+    tried. A profile that cannot run is shown at its first setting.
+
+    Memory falls with checkpointing and rises with the micro-batch, so per micro-batch (largest first) the
+    setting with the least recompute that fits is the only candidate worth pricing: all-layer checkpointing is
+    tried first (if even that does not fit, nothing does at this micro-batch), then off, then every k-th layer.
+    Smaller micro-batches are tried while their least-recompute setting still recomputes less; without machine
+    speeds the least recompute wins, at the largest micro-batch that allows it (as before checkpointing was
+    searched: checkpointing costs about a third of a step)."""
+    options = checkpoint_options(cfg, run.counts.num_layers)
+    micros = _micro_batch_candidates(run, asked)
+    kw = dict(machine=machine, pinned=pinned, max_steps=cfg.train.max_steps)
+
+    def at(ck: tuple[bool, int], b: int, exact: bool = False) -> ProfilePlan:
+        shape = dataclasses.replace(run, checkpointing=ck[0], checkpoint_every=ck[1])
+        return _plan_profile(p, shape, b, gpu_budget, cpu_budget, exact=exact, **kw)
+
+    def exactly(r: ProfilePlan) -> ProfilePlan:
+        return at((r.checkpointing, r.checkpoint_every), r.micro_batch, exact=True)
+
     if blocked:
-        best.available = False
-        best.why_not = blocked if best.why_not is None else f"{blocked}; {best.why_not}"
-    return best
+        row = at(options[0], micros[0], exact=True)
+        row.available = False
+        row.why_not = blocked if row.why_not is None else f"{blocked}; {row.why_not}"
+        return row, []
+    first, fitting, least = None, [], len(options)
+    for b in micros:
+        most = at(options[-1], b)  # the most recompute: if this does not fit, nothing does at this micro-batch
+        first = first or most
+        if not most.fits:
+            continue
+        found = most
+        for ck in options[:-1]:  # least recompute first
+            r = at(ck, b)
+            if r.fits:
+                found = r
+                break
+        rank = options.index((found.checkpointing, found.checkpoint_every) if found.checkpointing else (False, 1))
+        if rank < least:
+            fitting.append(found)
+            least = rank
+        if rank == 0:
+            break  # no recompute at this micro-batch: smaller ones are not faster
+    if not fitting:
+        return exactly(first), []
+    # Priced: the fastest. Not priced: the least recompute, at the largest micro-batch that allows it. The
+    # setting kept is planned again from exact traces; should it no longer fit, the next one is.
+    ranked = sorted(fitting, key=lambda r: r.step_s) if machine is not None else fitting[::-1]
+    for r in ranked:
+        best = exactly(r)
+        if best.fits:
+            return best, [best if c is r else c for c in fitting]
+    return best, []
+
+
+def _nth(k: int) -> str:
+    return {2: "2nd", 3: "3rd"}.get(k, f"{k}th")
 
 
 def _reason(chosen, pool, rows, cfg, gpu_budget, cpu_budget, run) -> str:
@@ -385,8 +507,11 @@ def _reason(chosen, pool, rows, cfg, gpu_budget, cpu_budget, run) -> str:
             f" of {gib(gpu_budget if run.device == 'cuda' else cpu_budget)}")
     if run.device == "cuda":
         text += f", CPU {gib(chosen.cpu_bytes)} of {gib(cpu_budget)}"
-    text += f", micro-batch {chosen.micro_batch}"
-    if faster:
+    text += f", {chosen.setting}"
+    if chosen.step_s is not None:
+        text = text.replace("fastest profile that fits:", "fastest predicted setting that fits:", 1)
+        text += f", {chosen.step_s:.3g} s/step ({chosen.tokens_per_s:.0f} tokens/s)"
+    elif faster:
         text += "; faster ones do not fit: " + "; ".join(f"{r.profile} ({r.why_not})" for r in faster)
     if cfg.profile != AUTO:
         text = f"profile {cfg.profile} as asked fits: " + text.split(": ", 1)[1]
@@ -406,13 +531,17 @@ def _model_summary(cfg: Config, run: RunShape) -> dict:
 def _settings(cfg: Config, run: RunShape, why_precision: str) -> dict:
     return {"device": run.device, "precision": run.precision, "precision_reason": why_precision,
             "seq_len": run.seq_len, "micro_batch_size": cfg.train.micro_batch_size,
-            "global_batch_size": run.global_batch, "world_size": run.world, "gradient_checkpointing": run.checkpointing,
+            "global_batch_size": run.global_batch, "world_size": run.world,
+            "gradient_checkpointing": cfg.model.gradient_checkpointing, "checkpoint_every": cfg.model.checkpoint_every,
+            "max_steps": cfg.train.max_steps,
             "attn_implementation": run.attn_implementation, "lora_r": run.lora_r,
             "lora_target_modules": list(run.lora_targets), "quantize": run.quantize, "optimizer": run.optimizer}
 
 
-def _assumptions(run: RunShape) -> dict:
-    return {"cuda_context_bytes": CUDA_CONTEXT_BYTES if run.device == "cuda" else 0,
+def _assumptions(run: RunShape, machine: Machine | None = None) -> dict:
+    return {"step_time": machine.source if machine is not None else "not priced: no machine speeds "
+            "(vramfit doctor --calibrate measures this machine; vramfit plan --gpu NAME prices a data sheet's)",
+            "cuda_context_bytes": CUDA_CONTEXT_BYTES if run.device == "cuda" else 0,
             "allocator_slack_fraction": ALLOCATOR_SLACK, "cpu_runtime_bytes": CPU_RUNTIME_BYTES[run.device],
             "optimizer_workspace_bytes_per_param_amp": AMP_OPTIMIZER_WORKSPACE,
             "quantized_bytes_per_param": QUANT_BYTES_PER_PARAM,

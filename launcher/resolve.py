@@ -17,6 +17,7 @@ from launcher.config import AUTO, Config, ConfigError
 from launcher.hardware import Hardware
 from launcher.ladder import Rung
 from launcher.profiles import PROFILES, Profile
+from launcher.steptime import Machine
 from launcher.units import gib
 
 
@@ -29,6 +30,7 @@ class RunSpec:
     accumulation: int
     world: int
     checkpointing: bool
+    checkpoint_every: int = 1  # with checkpointing: every k-th decoder layer recomputes
     reasons: tuple[str, ...] = ()
     plan: planner.Plan | None = field(default=None, compare=False)
     usable: tuple[Profile, ...] = ()  # profiles the OOM ladder may move to, fastest first
@@ -40,13 +42,14 @@ class RunSpec:
 
     @property
     def rung(self) -> Rung:
-        return Rung(self.micro_batch, self.accumulation, self.checkpointing, self.profile.name)
+        return Rung(self.micro_batch, self.accumulation, self.checkpointing, self.profile.name, self.checkpoint_every)
 
     def at(self, rung: Rung) -> RunSpec:
         """The same run at another rung of the OOM ladder (or a resumed run's rung)."""
         p = self.profile if rung.profile == self.profile.name else PROFILES[rung.profile]
         return replace(self, profile=p, precision=p.precision, micro_batch=rung.micro_batch,
-                       accumulation=rung.accumulation, checkpointing=rung.checkpointing)
+                       accumulation=rung.accumulation, checkpointing=rung.checkpointing,
+                       checkpoint_every=rung.checkpoint_every)
 
     def predicted(self, key: str):
         """A number of the plan's row for the profile in use (None without a plan)."""
@@ -54,7 +57,9 @@ class RunSpec:
         return getattr(row, key) if row is not None else None
 
 
-def resolve(cfg: Config, hw: Hardware, world: int = 1, local_rank: int = 0) -> RunSpec:
+def resolve(cfg: Config, hw: Hardware, world: int = 1, local_rank: int = 0, machine: Machine | None = None) -> RunSpec:
+    """The run, decided. ``machine``: this machine's calibration (:mod:`launcher.calibrate`), so that the
+    planner chooses by predicted step time; without it, by speed ranks."""
     avail = availability.assess(cfg, hw, local_rank)
     reasons = [f"device {avail.device}", avail.precision_reason]
     user = avail.user
@@ -68,7 +73,7 @@ def resolve(cfg: Config, hw: Hardware, world: int = 1, local_rank: int = 0) -> R
             raise ConfigError([f"profile: got {cfg.profile!r}; rule: its engine must be usable here, but {problem}; "
                                f"fix: {fix}" + (" or pip install 'vramfit[deepspeed]'" if "not installed" in problem
                                                 else "")])
-        plan = planner.plan(cfg, hw, [chosen.name], world=world)
+        plan = planner.plan(cfg, hw, [chosen.name], world=world, machine=machine)
         if user is not None:
             reasons.append(f"profile {chosen.name} from deepspeed_config {cfg.deepspeed_config}")
             reasons += list(user.notices)
@@ -90,7 +95,7 @@ def resolve(cfg: Config, hw: Hardware, world: int = 1, local_rank: int = 0) -> R
         order = avail.usable()
         if not order:
             raise availability.engine_error(cfg, avail)
-        plan = planner.plan(cfg, hw, [p.name for p in order], world=world)
+        plan = planner.plan(cfg, hw, [p.name for p in order], world=world, machine=machine)
         if plan.chosen is None:
             advice.add_suggestions(plan, cfg, hw, [p.name for p in order], world)
             tips = "; ".join(plan.suggestions) or "a smaller model or more memory"
@@ -124,5 +129,13 @@ def resolve(cfg: Config, hw: Hardware, world: int = 1, local_rank: int = 0) -> R
         # The OOM ladder may move to any profile of this precision and engine that can run, offload included.
         ladder = availability.assess(replace(cfg, profile=AUTO, precision=chosen.precision), hw,
                                      local_rank).usable(allow_offload=True)
-    return RunSpec(avail.device, avail.precision, chosen, micro, accumulation, world,
-                   bool(cfg.model.gradient_checkpointing), tuple(reasons), plan, tuple(ladder), user)
+    row = plan.get(chosen.name) if plan is not None else None
+    if row is not None and row.micro_batch == micro:  # the setting the planner chose (auto checkpointing included)
+        ckpt, every = row.checkpointing, row.checkpoint_every
+    else:
+        ckpt, every = cfg.model.gradient_checkpointing is True, int(cfg.model.checkpoint_every)
+    if cfg.model.gradient_checkpointing == AUTO:
+        reasons.append(f"gradient checkpointing {'on' if ckpt else 'off'}"
+                       + (f" (every {every} layers)" if ckpt and every > 1 else "") + " from the planner")
+    return RunSpec(avail.device, avail.precision, chosen, micro, accumulation, world, ckpt, every if ckpt else 1,
+                   tuple(reasons), plan, tuple(ladder), user)

@@ -79,11 +79,13 @@ class Machine:
     host: Rates  # the CPU (offloaded optimizer steps, host copies)
     h2d_bytes_per_s: dict = field(default_factory=dict)  # {'pinned': B/s, 'pageable': B/s}
     d2h_bytes_per_s: dict = field(default_factory=dict)
-    optimizers: dict = field(default_factory=dict)  # kind -> [seconds per parameter, seconds per tensor]
+    optimizers: dict = field(default_factory=dict)  # 'kind@device' -> [seconds per parameter, seconds per tensor]
     engines: dict = field(default_factory=dict)  # family -> {'micro_s', 'micro_tensor_s', 'step_s', 'step_tensor_s'}
     disk_write_bytes_per_s: float | None = None
     threads: int = 1
     measured: dict = field(default_factory=dict)  # anything else recorded (dates, versions, raw samples)
+    # family -> measured / predicted step time, from `vramfit tune` on this machine (applied to later predictions)
+    corrections: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -108,17 +110,18 @@ def family(p: Profile) -> str:
     return p.engine  # 'amp' | 'fsdp'
 
 
-def optimizer_kind(p: Profile, device: str, optimizer: str = "adamw") -> tuple[str, str]:
-    """(optimizer kind in :attr:`Machine.optimizers`, the device it runs on)."""
+def optimizer_kind(p: Profile, device: str, optimizer: str = "adamw") -> str:
+    """The key in :attr:`Machine.optimizers`: ``<optimizer>@<device it steps on>``, e.g.
+    ``torch_fused_adamw@cpu``, ``deepspeed_cpu_adam@cpu``, ``deepspeed_fused_adam@cuda``."""
     if optimizer == "adamw8bit":
-        return "bnb_adamw8bit", device
+        return f"bnb_adamw8bit@{device}"
     if p.engine == "deepspeed":
         if p.offload_optimizer:
-            return "deepspeed_cpu_adam", "cpu"
-        return "deepspeed_fused_adam", device
-    if p.engine == "fsdp":
-        return "torch_fused_adamw", "cpu"  # the CPU offload policy keeps shards, grads and moments on the CPU
-    return "torch_fused_adamw", device
+            return "deepspeed_cpu_adam@cpu"
+        return f"deepspeed_fused_adam@{device}"
+    if p.engine == "fsdp":  # the CPU offload policy keeps shards, grads and moments on the CPU
+        return "torch_fused_adamw@cpu"
+    return f"torch_fused_adamw@{device}"
 
 
 # Which copies overlap compute, per engine (True: they run on a side stream while layers compute).
@@ -246,10 +249,11 @@ def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int
     else:
         micro = fb + t_grads + t_weights_micro
         exposed_copies = t_grads + t_weights_micro
-    kind, where = optimizer_kind(p, machine.compute.device, optimizer)
-    per_param, per_tensor = machine.optimizers.get(kind) or machine.optimizers.get("torch_fused_adamw") or (0.0, 0.0)
+    kind = optimizer_kind(p, machine.compute.device, optimizer)
+    stand_in = f"torch_fused_adamw@{kind.split('@')[1]}"
+    per_param, per_tensor = machine.optimizers.get(kind) or machine.optimizers.get(stand_in) or (0.0, 0.0)
     if kind not in machine.optimizers:
-        notes.append(f"no measured speed for {kind}: torch fused AdamW stands in")
+        notes.append(f"no measured speed for {kind}: {stand_in} stands in")
     opt = trainable * per_param + n_tensors * per_tensor
     t_weights_step = weights_up_step / h2d
     step_extra = traffic_step / mem + host_traffic_step / host_mem + t_weights_step + step_fixed
@@ -257,6 +261,11 @@ def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int
              "memory_traffic": traffic_micro / mem * accumulation + traffic_step / mem + host_traffic_step / host_mem,
              "copies": exposed_copies * accumulation + t_weights_step, "optimizer": opt}
     step = micro * accumulation + opt + step_extra
-    parts = {k: v for k, v in parts.items() if v > 0}  # they add up to the step: micro = fb + exposed copies
+    correction = machine.corrections.get(fam)
+    if correction:  # measured by `vramfit tune` on this machine: the model's error for this engine family
+        parts["tune_correction"] = step * (correction - 1)
+        step *= correction
+        notes.append(f"x{correction:.3g} from vramfit tune's measurements of {fam} on this machine")
+    parts = {k: v for k, v in parts.items() if v}  # they add up to the step: micro = fb + exposed copies
     tokens = micro_batch * accumulation * world * seq_len
     return StepTime(step_s=step, parts=parts, tokens_per_s=tokens / step, micro_batch_s=micro, notes=notes)

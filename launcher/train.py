@@ -92,7 +92,7 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None) -> dict:
                                "started with (or none), or another run_name"])
         spec = spec.at(rung)  # continue where the OOM ladder had got to
     rd.write_text("config.yaml", to_yaml(replace(cfg, run_name=run_name, model=replace(
-        cfg.model, gradient_checkpointing=spec.checkpointing))))
+        cfg.model, gradient_checkpointing=spec.checkpointing, checkpoint_every=spec.checkpoint_every))))
     if spec.plan is not None:
         rd.write_json("plan.json", spec.plan.to_json())
     device = spec.device
@@ -197,7 +197,7 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None) -> dict:
                 else:
                     engine.reset_micro_batch(move.to.micro_batch, move.to.accumulation)
                     if move.kind == "checkpointing":
-                        enable_checkpointing(engine.module())
+                        enable_checkpointing(engine.module(), move.to.checkpoint_every)
                     free_memory(device)
                 spec = new_spec
                 continue
@@ -261,7 +261,8 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None) -> dict:
         "predicted_gpu_tensor_bytes": spec.predicted("gpu_tensor_bytes"),
         "skipped_steps": st.skipped, "fallbacks": st.fallbacks, "resumed_from": st.resumed_from,
         "optimizer": engine.optimizer_name, "micro_batch": spec.micro_batch, "accumulation": spec.accumulation,
-        "gradient_checkpointing": spec.checkpointing, "world_size": ranks.world,
+        "gradient_checkpointing": spec.checkpointing, "checkpoint_every": spec.checkpoint_every,
+        "world_size": ranks.world, "predicted_step_s": spec.predicted("step_s"),
         "global_batch_size": cfg.train.global_batch_size, "seq_len": seq_len, "elapsed_s": elapsed,
         "checkpoint": last_ckpt, "reasons": list(spec.reasons), "diagnosis": diagnosis, "run_dir": rd.path,
         "sample": None, "sample_error": None, **mon.summary(),
@@ -324,7 +325,8 @@ def make_engine(cfg: Config, spec: RunSpec, hw: Hardware, hf_config, rd: RunDir,
         cfg = replace(cfg, loss_scale=replace(cfg.loss_scale, initial_power=max(0, round(math.log2(loss_scale)))))
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, weight_dtype(cfg, spec.engine, spec.precision), hf_config, device=spec.device,
-                        precision=spec.precision, checkpointing=spec.checkpointing)
+                        precision=spec.precision, checkpointing=spec.checkpointing,
+                        checkpoint_every=spec.checkpoint_every)
     if state is not None:
         with torch.no_grad():
             for name, p in model.named_parameters():

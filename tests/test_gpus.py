@@ -94,7 +94,7 @@ def fake_host(op_s=2e-5, view_s=4e-6, host_bw=20e9) -> Machine:
                 op_s=op_s, view_s=view_s)
     return Machine(name="cpu: test host (2 threads)", source="vramfit doctor --calibrate", compute=cpu, host=cpu,
                    h2d_bytes_per_s={"pinned": 8e9, "pageable": 5e9}, d2h_bytes_per_s={"pinned": 8e9, "pageable": 5e9},
-                   optimizers={"torch_fused_adamw": [2e-9, 3e-5], "deepspeed_cpu_adam": [1.5e-9, 1e-5]},
+                   optimizers={"torch_fused_adamw@cpu": [2e-9, 3e-5], "deepspeed_cpu_adam@cpu": [1.5e-9, 1e-5]},
                    engines={"amp": {"micro_s": 1e-3, "micro_tensor_s": 0, "step_s": 2e-3, "step_tensor_s": 0}},
                    disk_write_bytes_per_s=1e9, threads=2)
 
@@ -126,10 +126,11 @@ def test_gpu_optimizers_priced_from_bandwidth_host_costs_from_the_host():
     host = fake_host()
     spec = gpus.find("A100-80GB-SXM")
     m = gpus.machine(spec, host)
-    per_param, per_tensor = m.optimizers["torch_fused_adamw"]
+    per_param, per_tensor = m.optimizers["torch_fused_adamw@cuda"]
     assert per_param == pytest.approx(28 / 2039e9) and per_tensor == 3e-5
-    assert m.optimizers["deepspeed_fused_adam"][0] == per_param
-    assert m.optimizers["deepspeed_cpu_adam"] == [1.5e-9, 1e-5]  # runs on the host CPU
+    assert m.optimizers["deepspeed_fused_adam@cuda"][0] == per_param
+    assert m.optimizers["deepspeed_cpu_adam@cpu"] == [1.5e-9, 1e-5]  # runs on the host CPU
+    assert m.optimizers["torch_fused_adamw@cpu"] == [2e-9, 3e-5]  # FSDP's offloaded step, on the host CPU
     assert m.host == host.host and m.engines == host.engines and m.threads == 2
     assert (m.compute.op_s, m.compute.view_s) == (2e-5, 4e-6)  # the framework's per-op cost, measured here
     assert m.name == "NVIDIA A100 80GB SXM4 (data sheet)"

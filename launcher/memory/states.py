@@ -53,6 +53,7 @@ class RunShape:
     quantize: str
     optimizer: str
     trust_remote_code: bool
+    checkpoint_every: int = 1  # with checkpointing: every k-th decoder layer recomputes
 
     @property
     def hidden(self) -> int:

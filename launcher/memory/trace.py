@@ -43,6 +43,7 @@ which :func:`_no_packed_sequence_probe` stubs out for the trace; training batche
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 import weakref
@@ -248,7 +249,7 @@ def _op_key(func, args, kwargs, out, outs) -> OpKey:
     return ("memory", dtype, 0, _nbytes(ins) + _nbytes(outs))
 
 
-_ATTENTION_OPS: list = []  # the Counter of the step being traced, for the emulated attention kernel
+_ATTENTION_OPS: list = []  # the op list of the step being traced, for the emulated attention kernel
 
 
 def _record_attention(q, k, v, causal: bool, backward: bool) -> None:
@@ -269,7 +270,7 @@ def _record_attention(q, k, v, causal: bool, backward: bool) -> None:
         flops, nbytes = int(2.5 * flops), qkv + 2 * out + lse + qkv  # read q, k, v, out, dout, lse; write dq, dk, dv
     else:
         nbytes = qkv + out + lse
-    _ATTENTION_OPS[-1][("attention", str(q.dtype).replace("torch.", ""), int(flops), int(nbytes))] += 1
+    _ATTENTION_OPS[-1].append(("attention", str(q.dtype).replace("torch.", ""), int(flops), int(nbytes)))
 
 
 class _Tracker(TorchDispatchMode):
@@ -285,7 +286,7 @@ class _Tracker(TorchDispatchMode):
         self.segment = "forward"
         # per segment (forward, head_bwd, body_bwd): [peak, parts at it, peak with grads, parts at it]
         self.segments: dict[str, list] = {}
-        self.ops: Counter = Counter()  # OpKey -> how many times the step dispatched it (the time model's input)
+        self.op_list: list = []  # OpKey of every op dispatched, in order (the time model's input)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -294,7 +295,7 @@ class _Tracker(TorchDispatchMode):
         for t in outs:
             self.track(t)
         if func.overloadpacket not in _NO_KERNEL:
-            self.ops[_op_key(func, args, kwargs, out, outs)] += 1
+            self.op_list.append(_op_key(func, args, kwargs, out, outs))
         return out
 
     def track(self, t: torch.Tensor, category: str | None = None):
@@ -359,6 +360,7 @@ class StepTrace:
     param_grads: int = 0  # bytes of all parameter gradients after backward
     seconds: float = 0.0
     ops: dict = field(default_factory=dict)  # OpKey -> count: every op of the forward + backward (recompute too)
+    op_list: list = field(default_factory=list, repr=False)  # the same ops in dispatch order
 
     @property
     def peak(self) -> int:
@@ -533,7 +535,7 @@ def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: t
         if p.requires_grad:
             hooks.append(p.register_post_accumulate_grad_hook(on_grad))
 
-    _ATTENTION_OPS.append(tracker.ops)
+    _ATTENTION_OPS.append(tracker.op_list)
     try:
         with _no_packed_sequence_probe(), tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             autocast = (torch.autocast(autocast_policy, dtype=autocast_dtype) if real_autocast and autocast_dtype
@@ -563,7 +565,8 @@ def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: t
     segments = {k: {"peak": v[0], "parts": v[1], "peak_with_grads": v[2], "parts_with_grads": v[3]}
                 for k, v in tracker.segments.items()}
     return StepTrace(saved=dict(saved), autocast_cache=autocast_cache, segments=segments,
-                     param_grads=sum(grads.values()), seconds=time.perf_counter() - t0, ops=dict(tracker.ops))
+                     param_grads=sum(grads.values()), seconds=time.perf_counter() - t0,
+                     ops=dict(Counter(tracker.op_list)), op_list=tracker.op_list)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -629,27 +632,106 @@ def enable_checkpointing(model: nn.Module, every: int = 1):
     checkpointing.enable(model, every)
 
 
-def trace_depth(config, depth: int, s: TraceSettings, trust_remote_code: bool = False) -> StepTrace:
-    """Build ``config`` cut to ``depth`` layers on meta and measure one step with settings ``s``."""
-    model = build_meta_model(with_depth(config, depth), attn_implementation=s.attn_implementation,
-                             dtype=s.param_dtype, lora_r=s.lora_r, lora_targets=s.lora_targets,
-                             lora_dropout=s.lora_dropout, adapter_dtype=s.adapter_dtype or s.param_dtype,
-                             trust_remote_code=trust_remote_code)
+_META_MODELS: dict = {}
+
+
+def _meta_model(config, depth: int, s: TraceSettings, trust_remote_code: bool) -> nn.Module:
+    """``config`` cut to ``depth`` layers on meta, with LoRA as ``s`` says; built once per shape and reused
+    (building and wrapping in peft costs more than a trace). Gradients and checkpointing flags are reset."""
+    key = (config_key(config), depth, s.attn_implementation, s.param_dtype, s.lora_r, s.lora_targets, s.lora_dropout,
+           s.adapter_dtype, trust_remote_code)
+    model = _META_MODELS.get(key)
+    if model is None:
+        if len(_META_MODELS) > 16:
+            _META_MODELS.clear()
+        model = _META_MODELS[key] = build_meta_model(
+            with_depth(config, depth), attn_implementation=s.attn_implementation, dtype=s.param_dtype,
+            lora_r=s.lora_r, lora_targets=s.lora_targets, lora_dropout=s.lora_dropout,
+            adapter_dtype=s.adapter_dtype or s.param_dtype, trust_remote_code=trust_remote_code)
+    for p in model.parameters():
+        p.grad = None
     if s.gradient_checkpointing:
         enable_checkpointing(model, s.checkpoint_every)
+    else:
+        checkpointing.disable(model)
     model.train()
+    return model
+
+
+def trace_depth(config, depth: int, s: TraceSettings, trust_remote_code: bool = False) -> StepTrace:
+    """Build ``config`` cut to ``depth`` layers on meta and measure one step with settings ``s``."""
+    model = _meta_model(config, depth, s, trust_remote_code)
     ids = torch.zeros(s.batch_size, s.seq_len, dtype=torch.long, device="meta")
     return measure_step(model, ids, autocast_dtype=s.autocast_dtype, autocast_policy=s.target,
                         attention_kernel=s.attention_kernel if s.attn_implementation == "sdpa" else "math",
                         target=s.target)
 
 
+_TRACES: dict = {}
+
+
+def trace_at(config, depth: int, s: TraceSettings, trust_remote_code: bool = False, exact: bool = True) -> StepTrace:
+    """:func:`trace_depth`, cached; with ``exact=False``, micro-batches above 3 from the traces of 2 and 3.
+
+    The ops of a decoder step are the same for any micro-batch above 1 and the FLOPs and bytes of each are
+    linear in it (nothing mixes samples), so the step's op record at micro-batch ``b`` is the one at 2 plus
+    ``b - 2`` times the difference to 3, op by op, exactly. So are the bytes saved for backward. The peak of
+    live bytes is a maximum over the moments of a segment, each linear in ``b``: where the moment of the peak
+    moves with ``b`` (weight casts under autocast with checkpointing), the extrapolation is low by a percent
+    or two. The planner's search prices and sizes candidates with ``exact=False`` (two traces for every
+    micro-batch), then traces the setting it keeps exactly (tests compare both with direct traces)."""
+    key = (config_key(config), depth, s, trust_remote_code, exact or s.batch_size <= 3)
+    if key in _TRACES:
+        return _TRACES[key]
+    if s.batch_size > 3 and not exact:
+        two = trace_at(config, depth, dataclasses.replace(s, batch_size=2), trust_remote_code, exact)
+        three = trace_at(config, depth, dataclasses.replace(s, batch_size=3), trust_remote_code, exact)
+        out = _batch_extrapolate(two, three, s.batch_size)
+        if out is None:  # the op sequences differ: trace it
+            out = trace_depth(config, depth, s, trust_remote_code)
+    else:
+        out = trace_depth(config, depth, s, trust_remote_code)
+    if len(_TRACES) > 256:
+        _TRACES.clear()
+    _TRACES[key] = out
+    return out
+
+
+def _batch_extrapolate(one: StepTrace, two: StepTrace, b: int, base: int = 2) -> StepTrace | None:
+    """The trace at micro-batch ``b`` from those at ``base`` (``one``) and ``base + 1`` (``two``). None when
+    their op sequences differ (a micro-batch of 1 takes shortcuts in places: broadcasts that need no copy)."""
+    if len(one.op_list) != len(two.op_list) or set(one.segments) != set(two.segments):
+        return None
+
+    def lin(x1: int, x2: int) -> int:
+        return x1 + (b - base) * (x2 - x1)
+
+    def lin_dict(a: dict, c: dict) -> dict:
+        return {k: v for k in sorted(set(a) | set(c)) if (v := lin(a.get(k, 0), c.get(k, 0)))}
+
+    ops = []
+    for o1, o2 in zip(one.op_list, two.op_list):
+        if o1[:2] != o2[:2]:
+            return None
+        ops.append((o1[0], o1[1], lin(o1[2], o2[2]), lin(o1[3], o2[3])))
+    segments = {name: {"peak": lin(v["peak"], two.segments[name]["peak"]),
+                       "parts": lin_dict(v["parts"], two.segments[name]["parts"]),
+                       "peak_with_grads": lin(v["peak_with_grads"], two.segments[name]["peak_with_grads"]),
+                       "parts_with_grads": lin_dict(v["parts_with_grads"], two.segments[name]["parts_with_grads"])}
+                for name, v in one.segments.items()}
+    return StepTrace(saved=lin_dict(one.saved, two.saved), autocast_cache=lin(one.autocast_cache, two.autocast_cache),
+                     segments=segments, param_grads=lin(one.param_grads, two.param_grads),
+                     seconds=one.seconds + two.seconds, ops=dict(Counter(ops)), op_list=ops)
+
+
 _ESTIMATES: dict = {}
 
 
-def estimate_activations(config, settings: TraceSettings, trust_remote_code: bool = False) -> ActivationEstimate:
-    """Trace 2 and 3 layers of ``config`` and extrapolate to its depth. Cached per (config, settings)."""
-    key = (config_key(config), settings, trust_remote_code)
+def estimate_activations(config, settings: TraceSettings, trust_remote_code: bool = False,
+                         exact: bool = True) -> ActivationEstimate:
+    """Trace 2 and 3 layers of ``config`` and extrapolate to its depth. Cached per (config, settings).
+    ``exact=False``: micro-batches above 3 from the traces of 2 and 3 (see :func:`trace_at`)."""
+    key = (config_key(config), settings, trust_remote_code, exact)
     if key in _ESTIMATES:
         return _ESTIMATES[key]
     full = num_layers(config)
@@ -659,8 +741,8 @@ def estimate_activations(config, settings: TraceSettings, trust_remote_code: boo
     # and congruent to the full depth modulo k, so the top layer is checkpointed or not as in the model.
     period = settings.checkpoint_every if settings.gradient_checkpointing and settings.checkpoint_every > 1 else 1
     lo = 2 + (full - 2) % period if full > 2 else full
-    one = trace_depth(config, lo, settings, trust_remote_code)
-    two = trace_depth(config, lo + period, settings, trust_remote_code) if full > lo else one
+    one = trace_at(config, lo, settings, trust_remote_code, exact)
+    two = trace_at(config, lo + period, settings, trust_remote_code, exact) if full > lo else one
     reps = (full - lo) // period
 
     def ext(a: int, b: int) -> int:

@@ -1,0 +1,163 @@
+"""The step-time model and the search it drives: what it adds up, and that the planner picks the fastest
+predicted setting that fits (over profiles, micro-batches and every-k-th-layer checkpointing).
+
+The machines here are made up (round numbers), so the tests check the model's arithmetic and the search, not
+this CPU's speed; scripts/validate_steptime.py measures the predictions against real steps."""
+
+import dataclasses
+
+import pytest
+from test_planner import fake_hw
+
+from helpers import run_inprocess
+from launcher import planner, steptime
+from launcher.config import load_config
+from launcher.memory.trace import TraceSettings, estimate_activations
+from launcher.presets import preset_config
+from launcher.profiles import PROFILES
+
+
+def machine(device="cuda", op_s=2e-6, matmul=100e12, bw=1e12) -> steptime.Machine:
+    rates = steptime.Rates(device=device, matmul={"float32": [[1.0, matmul]], "bfloat16": [[1.0, matmul]],
+                                                  "float16": [[1.0, matmul]]},
+                           attention={}, memory_bytes_per_s=bw, op_s=op_s, view_s=op_s / 10)
+    host = steptime.Rates(device="cpu", matmul={"float32": [[1.0, 1e11]]}, memory_bytes_per_s=2e10, op_s=5e-6,
+                          view_s=1e-6)
+    return steptime.Machine(name="test", source="made up for the test", compute=rates, host=host,
+                            h2d_bytes_per_s={"pinned": 2e10, "pageable": 1e10},
+                            d2h_bytes_per_s={"pinned": 2e10, "pageable": 1e10},
+                            optimizers={"torch_fused_adamw@cuda": [3e-11, 1e-5], "torch_fused_adamw@cpu": [5e-9, 1e-5],
+                                        "deepspeed_cpu_adam@cpu": [5e-9, 1e-5],
+                                        "deepspeed_fused_adam@cuda": [3e-11, 1e-5]},
+                            engines={"amp": {"micro_s": 1e-3, "micro_tensor_s": 0, "step_s": 1e-3, "step_tensor_s": 1e-6}},
+                            threads=2)
+
+
+def ops(micro=2, seq=64, ckpt=False, every=1):
+    s = TraceSettings(batch_size=micro, seq_len=seq, gradient_checkpointing=ckpt, checkpoint_every=every,
+                      attention_kernel="flash")
+    return estimate_activations(preset_config("tiny"), s).ops
+
+
+def counts():
+    from launcher.memory.shape import count_params
+
+    return count_params(preset_config("tiny"))
+
+
+def test_parts_add_up_and_scale():
+    m = machine()
+    one = steptime.predict(PROFILES["amp-bf16"], m, ops=ops(), counts=counts(), micro_batch=2, accumulation=1, seq_len=64)
+    assert sum(one.parts.values()) == pytest.approx(one.step_s)
+    assert one.tokens_per_s == pytest.approx(2 * 64 / one.step_s)
+    four = steptime.predict(PROFILES["amp-bf16"], m, ops=ops(), counts=counts(), micro_batch=2, accumulation=4,
+                            seq_len=64)
+    assert four.parts["compute"] == pytest.approx(4 * one.parts["compute"])
+    assert four.parts["optimizer"] == pytest.approx(one.parts["optimizer"])  # once per step
+    assert "no measured fixed costs" not in " ".join(one.notes)
+    z2 = steptime.predict(PROFILES["zero2-bf16"], m, ops=ops(), counts=counts(), micro_batch=2, accumulation=1,
+                          seq_len=64)
+    assert any("those of amp stand in" in n for n in z2.notes)  # no measured zero2 costs in this machine
+
+
+def test_offload_adds_copies_and_cpu_optimizer():
+    m = machine()
+    kw = dict(ops=ops(), counts=counts(), micro_batch=2, accumulation=2, seq_len=64)
+    plain = steptime.predict(PROFILES["zero2-bf16"], m, **kw)
+    off = steptime.predict(PROFILES["zero2-bf16-offload-opt"], m, **kw)
+    n = counts().total
+    # the updated 16-bit weights go up after each step (not overlapped): 2 bytes each over the pageable link
+    assert off.parts["copies"] >= 2 * n / 1e10 * 0.999
+    assert off.parts["optimizer"] == pytest.approx(n * 5e-9 + counts().tensors * 1e-5)  # DeepSpeedCPUAdam on the CPU
+    assert off.step_s > plain.step_s
+    pinned = steptime.predict(PROFILES["zero2-bf16-offload-opt"], m, pinned=True, **kw)
+    assert pinned.parts["copies"] < off.parts["copies"]
+
+
+def test_host_bound_ops_on_a_gpu_cost_the_larger_of_the_two():
+    """A GPU runs ahead of the host: an op costs max(device work, host cost), not their sum (a CPU pays both)."""
+    key = ("memory", "float32", 0, 1000)
+    gpu, cpu = machine("cuda", op_s=1e-5, bw=1e9), machine("cpu", op_s=1e-5, bw=1e9)
+    assert steptime.op_seconds({key: 1}, gpu.compute, host_bound=True)[0] == pytest.approx(1e-5)
+    assert steptime.op_seconds({key: 1}, cpu.compute, host_bound=False)[0] == pytest.approx(1e-5 + 1e-6)
+
+
+def test_recompute_costs_time():
+    m = machine(matmul=1e12)
+    kw = dict(counts=counts(), micro_batch=2, accumulation=1, seq_len=64)
+    off = steptime.predict(PROFILES["amp-bf16"], m, ops=ops(), **kw)
+    every2 = steptime.predict(PROFILES["amp-bf16"], m, ops=ops(ckpt=True, every=2), **kw)
+    full = steptime.predict(PROFILES["amp-bf16"], m, ops=ops(ckpt=True, every=1), **kw)
+    assert off.step_s < every2.step_s < full.step_s
+
+
+def tiny_cfg(*extra):
+    return load_config(None, ["model.name=tiny", "data.seq_len=256", "train.global_batch_size=8",
+                              "train.micro_batch_size=auto", "memory.cpu_budget=32", *extra])
+
+
+def test_the_search_picks_the_fastest_setting_that_fits():
+    """A budget between every-layer and no checkpointing at micro-batch 8: the priced plan takes the fastest
+    setting that fits, the candidates are ordered by predicted time, and the runner-up says why it lost."""
+    hw = fake_hw(capability=(8, 0))
+    roomy = planner.plan(tiny_cfg("memory.gpu_budget=40", "profile=amp-bf16", "model.gradient_checkpointing=false"),
+                         hw, machine=machine())
+    tight_row = planner.plan(tiny_cfg("memory.gpu_budget=40", "profile=amp-bf16", "model.gradient_checkpointing=true"),
+                             hw, machine=machine()).chosen_plan
+    budget = (roomy.chosen_plan.gpu_bytes + tight_row.gpu_bytes) / 2 / 2**30
+    p = planner.plan(tiny_cfg(f"memory.gpu_budget={budget}", "profile=amp-bf16"), hw, machine=machine())
+    c = p.chosen_plan
+    assert c.fits and c.step_s is not None and p.machine == "test"
+    times = [x["step_s"] for x in p.candidates]
+    assert times == sorted(times) and c.step_s == times[0]
+    assert len(p.candidates) >= 2 and p.runner_up and "slower" in p.runner_up["why"]
+    # the choice is one of: a smaller micro-batch without checkpointing, or micro-batch 8 with some checkpointing
+    assert (c.micro_batch == 8 and c.checkpointing) or (c.micro_batch < 8 and not c.checkpointing)
+    assert "s/step" in p.reason and c.eta_s == pytest.approx(c.step_s * 200)
+
+
+def test_every_kth_layer_when_it_fits_and_is_faster():
+    """Recompute is expensive on this machine (slow matmuls): the least checkpointing that fits wins."""
+    hw = fake_hw(capability=(8, 0))
+    cfg = ["memory.gpu_budget=40", "profile=amp-bf16", "train.micro_batch_size=8"]
+    rows = {k: planner.plan(tiny_cfg(*cfg, "model.gradient_checkpointing=true", f"model.checkpoint_every={k}"), hw,
+                            machine=machine(matmul=1e11)).chosen_plan for k in (1, 2)}
+    off = planner.plan(tiny_cfg(*cfg, "model.gradient_checkpointing=false"), hw, machine=machine(matmul=1e11))
+    assert rows[1].gpu_bytes < rows[2].gpu_bytes < off.chosen_plan.gpu_bytes
+    # room for every 2nd layer (and every 3rd: with 4 layers both checkpoint two of them), not for none
+    p = planner.plan(tiny_cfg(*cfg[1:], f"memory.gpu_budget={rows[2].gpu_bytes / 2**30 + 1e-3}"), hw,
+                     machine=machine(matmul=1e11))
+    assert p.chosen_plan.micro_batch == 8
+    assert p.chosen_plan.checkpointing and p.chosen_plan.checkpoint_every in (2, 3)
+    assert p.chosen_plan.step_s < rows[1].step_s
+
+
+def test_without_machine_speeds_nothing_is_priced():
+    p = planner.plan(tiny_cfg("memory.gpu_budget=40"), fake_hw(capability=(8, 0)))
+    assert p.machine is None and all(r.step_s is None for r in p.profiles)
+    assert "not priced" in p.assumptions["step_time"]
+    assert p.chosen == "zero2-bf16" and not p.chosen_plan.checkpointing
+
+
+@pytest.mark.parametrize("profile", ["amp-fp32", pytest.param("zero2-fp32", marks=pytest.mark.slow),
+                                     pytest.param("fsdp-bf16-offload", marks=pytest.mark.slow)])
+def test_every_second_layer_trains_on_every_engine(tmp_path, profile):
+    """Checkpointing every 2nd decoder layer trains on AMP, DeepSpeed and FSDP, and the loss equals the run
+    without checkpointing (recompute gives the same numbers)."""
+    from helpers import has_deepspeed
+
+    if profile.startswith("zero") and not has_deepspeed():
+        pytest.skip("DeepSpeed is not installed")
+    kw = [f"profile={profile}", "train.max_steps=3", "train.warmup_steps=1"]
+    s, rows = run_inprocess(tmp_path, *kw, "model.gradient_checkpointing=true", "model.checkpoint_every=2",
+                            "run_name=every2")
+    s0, rows0 = run_inprocess(tmp_path, *kw, "model.gradient_checkpointing=false", "run_name=plain")
+    assert s["gradient_checkpointing"] and s["checkpoint_every"] == 2
+    tol = 1e-5 if "fp32" in profile else 1e-2
+    assert all(abs(a["loss"] - b["loss"]) <= tol * abs(b["loss"]) for a, b in zip(rows, rows0))
+
+
+def test_config_reference_keys():
+    cfg = load_config(None, [])
+    assert cfg.model.gradient_checkpointing == "auto" and cfg.model.checkpoint_every == 1
+    assert dataclasses.replace(cfg.model, checkpoint_every=3).checkpoint_every == 3
