@@ -30,7 +30,8 @@ if [ "$LOCK" = none ]; then
   rm -f "$pins"
 else
   # pip moves anything already installed to the pinned version, so an old venv ends up like a new one; the
-  # build constraint holds the setuptools that builds vramfit and DeepSpeed at the lock's version too
+  # build constraint (pip >= 25.3, upgraded above) holds the setuptools that builds vramfit and DeepSpeed at
+  # the lock's version too
   "$VENV/bin/python" -m pip install -q -c "$LOCK" --build-constraint "$LOCK" -e ".[${EXTRAS}]"
 fi
 echo "$LOCK" > "$VENV/vramfit-lock"  # what the tests compare the environment with (tests/test_install.py)

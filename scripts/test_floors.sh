@@ -4,7 +4,8 @@
 # the planner's meta-device traces (transformers' models and checkpointing, peft's LoRA), data files
 # (datasets, tokenizers), the progress bar (tqdm), a results plot (matplotlib), an AMP run with a resume
 # (psutil, numpy's RNG state), a LoRA fine-tune and export, and hadolint. No DeepSpeed and no bitsandbytes
-# here: their floors are the lock's versions, which the main run tests. About 3 minutes on 2 cores.
+# here: their floors are the lock's versions, which the main run tests. Measured on 2 shared cores: 4 minutes
+# (2.5 minutes of CPU), a minute of it the installs.
 #   bash scripts/test_floors.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
