@@ -69,6 +69,7 @@ def stdout_for_json(enabled: bool):
 
 
 def cmd_doctor(args) -> int:
+    from launcher import calibrate
     from launcher.hardware import format_report, probe
 
     with stdout_for_json(args.json) as out:
@@ -78,7 +79,12 @@ def cmd_doctor(args) -> int:
 
             print(build_ops())
             hw = probe(with_cpu_adam=True)
-        print(json.dumps(hw.to_dict(), indent=2) if args.json else format_report(hw), file=out)
+        if args.calibrate:
+            calibrate.calibration(force=True)  # measured now (under a minute) and cached
+        cal = calibrate.read()
+        doc = {**hw.to_dict(), "calibration": cal.to_dict()}
+        print(json.dumps(doc, indent=2) if args.json else format_report(hw) + "\n" + calibrate.format_report(cal),
+              file=out)
     return 0
 
 
@@ -161,9 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
-    d = sub.add_parser("doctor", help="what this machine can run (GPUs, RAM, ulimit -l, DeepSpeed ops)")
+    d = sub.add_parser("doctor", help="what this machine can run and how fast (GPUs, RAM, ulimit -l, DeepSpeed ops, "
+                                      "calibration)")
     d.add_argument("--json", action="store_true", help="machine-readable output")
     d.add_argument("--build-ops", action="store_true", help="JIT-build DeepSpeed's ops (CPU Adam) now, a few minutes once")
+    d.add_argument("--calibrate", action="store_true",
+                   help="measure this machine's speeds for the step-time model now (under a minute) and cache them")
     d.set_defaults(fn=cmd_doctor)
 
     pr = sub.add_parser("profiles", help="write ds_configs/*.json from the catalogue, or --check them")

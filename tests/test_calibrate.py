@@ -1,0 +1,207 @@
+"""Calibration: the cache (round trip, corrupt, truncated, stale, another machine's, atomic writes), the
+mapping to the step-time model's keys, and one quick real calibration through ``vramfit doctor --calibrate
+--json`` whose numbers must be positive and sane."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from helpers import needs_deepspeed, run_cli
+from launcher import calibrate, steptime
+from launcher.profiles import PROFILES
+from launcher.steptime import Machine, Rates
+
+
+def fake_machine(name: str = "cpu: test (2 threads)") -> Machine:
+    cpu = Rates(device="cpu", matmul={"float32": [[5e5, 2e10], [1.7e10, 8e10]]}, attention={"float32": 3e10},
+                memory_bytes_per_s=1.2e10, op_s=2e-5, view_s=3e-6)
+    return Machine(name=name, source=f"calibrated 2026-01-01 00:00 on {name}", compute=cpu, host=cpu,
+                   h2d_bytes_per_s={"pinned": 6e9, "pageable": 6e9}, d2h_bytes_per_s={"pinned": 6e9, "pageable": 6e9},
+                   optimizers={"torch_fused_adamw@cpu": [2e-9, 3e-6]},
+                   engines={"amp": {"micro_s": 1e-3, "micro_tensor_s": 1e-6, "step_s": 2e-3, "step_tensor_s": 2e-6}},
+                   disk_write_bytes_per_s=1e9, threads=2, measured={"seconds": 1.0})
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """calibrate.calibrate replaced by a counter returning fake_machine() (the cache tests measure nothing)."""
+    calls = []
+
+    def fake(sizes=None, output_dir=None):
+        calls.append(1)
+        return fake_machine()
+
+    monkeypatch.setattr(calibrate, "calibrate", fake)
+    return calls
+
+
+def test_cache_round_trip(tmp_path, measured):
+    first = calibrate.load_or_calibrate(directory=str(tmp_path))
+    assert len(measured) == 1 and first == fake_machine()
+    path = calibrate.cache_path(directory=str(tmp_path))
+    assert os.path.exists(path) and [f for f in os.listdir(tmp_path)] == [os.path.basename(path)]
+    again = calibrate.load_or_calibrate(directory=str(tmp_path))
+    assert len(measured) == 1, "a usable cached calibration is not measured again"
+    assert again == first
+    assert calibrate.calibration(measure=False, directory=str(tmp_path)) == first
+    found = calibrate.read(directory=str(tmp_path))
+    assert found.problem is None and found.age_days < 0.01 and found.key == calibrate.machine_key()
+    assert calibrate.load_or_calibrate(force=True, directory=str(tmp_path)) == first and len(measured) == 2
+
+
+def test_no_calibration_without_measuring_is_none(tmp_path, measured):
+    assert calibrate.calibration(measure=False, directory=str(tmp_path)) is None
+    assert not measured and not os.listdir(tmp_path)
+    assert "none to use" in calibrate.format_report(calibrate.read(directory=str(tmp_path)))
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated"])
+def test_a_damaged_file_is_measured_again_with_a_message(tmp_path, measured, vramfit_log, damage):
+    calibrate.write(fake_machine("old"), str(tmp_path))
+    path = calibrate.cache_path(directory=str(tmp_path))
+    text = open(path).read()
+    with open(path, "w") as fh:
+        fh.write("not json {" if damage == "corrupt" else text[: len(text) // 2])
+    assert calibrate.calibration(measure=False, directory=str(tmp_path)) is None
+    assert "corrupt or truncated" in vramfit_log.text and "vramfit doctor --calibrate" in vramfit_log.text
+    assert not measured
+    assert calibrate.load_or_calibrate(directory=str(tmp_path)) == fake_machine()
+    assert len(measured) == 1 and "measuring this machine again" in vramfit_log.text
+    assert calibrate.read(directory=str(tmp_path)).problem is None  # the new one replaced it
+
+
+def test_a_stale_file_is_measured_again(tmp_path, measured, vramfit_log):
+    calibrate.write(fake_machine("old"), str(tmp_path), created=time.time() - 40 * 86400)
+    found = calibrate.read(stale_days=30, directory=str(tmp_path))
+    assert found.machine is not None and "40 days old" in found.problem
+    assert calibrate.calibration(measure=False, directory=str(tmp_path)) is None
+    assert "40 days old" in vramfit_log.text
+    assert calibrate.load_or_calibrate(stale_days=60, directory=str(tmp_path)).name == "old"  # young enough for 60
+    assert calibrate.load_or_calibrate(stale_days=30, directory=str(tmp_path)).name == fake_machine().name
+    assert len(measured) == 1
+
+
+def test_another_machines_file_is_not_used(tmp_path, measured, vramfit_log):
+    path = calibrate.cache_path(directory=str(tmp_path))
+    key = {**calibrate.machine_key(), "threads": 64}
+    with open(path, "w") as fh:
+        json.dump({"format": calibrate.FORMAT, "key": key, "created": time.time(),
+                   "machine": fake_machine("elsewhere").to_dict()}, fh)
+    assert calibrate.calibration(measure=False, directory=str(tmp_path)) is None
+    assert "another machine" in vramfit_log.text and "threads" in vramfit_log.text
+    assert calibrate.load_or_calibrate(directory=str(tmp_path)).name == fake_machine().name and len(measured) == 1
+
+
+def test_another_key_is_another_file(tmp_path, monkeypatch):
+    a = calibrate.cache_path(directory=str(tmp_path))
+    monkeypatch.setattr(calibrate.torch, "get_num_threads", lambda: 977)
+    assert calibrate.cache_path(directory=str(tmp_path)) != a
+
+
+def test_writes_are_atomic(tmp_path, monkeypatch):
+    calibrate.write(fake_machine("kept"), str(tmp_path))
+
+    def broken(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(calibrate.json, "dump", broken)
+    with pytest.raises(OSError):
+        calibrate.write(fake_machine("lost"), str(tmp_path))
+    assert os.listdir(tmp_path) == [os.path.basename(calibrate.cache_path(directory=str(tmp_path)))]
+    assert calibrate.read(directory=str(tmp_path)).machine.name == "kept"
+
+
+def test_corrections_are_kept_with_the_calibration(tmp_path):
+    calibrate.write(fake_machine(), str(tmp_path), created=time.time() - 86400)
+    before = calibrate.read(directory=str(tmp_path))
+    calibrate.save_corrections(before.machine, {"amp": 1.5}, str(tmp_path))
+    m = calibrate.save_corrections(before.machine, {"zero2": 0.8}, str(tmp_path))
+    after = calibrate.read(directory=str(tmp_path))
+    assert after.machine.corrections == {"amp": 1.5, "zero2": 0.8} == m.corrections
+    assert after.created == before.created  # still the age of the measurement
+
+
+def test_nonneg_least_squares():
+    assert calibrate._nonneg_lstsq([[1, 1], [1, 3]], [3, 7]) == pytest.approx([1, 2])
+    assert calibrate._nonneg_lstsq([[1, 1], [1, 3]], [5, 3]) == pytest.approx([4, 0])  # falling: no negative slope
+    assert calibrate._nonneg_lstsq([[1, 1], [1, 3]], [-1, -2]) == [0, 0]
+
+
+def test_the_keys_are_the_step_time_models():
+    """Each family calibrated by the catalogue profile the step-time model files under it, and an optimizer
+    measured for every kind a profile steps with."""
+    for fam in calibrate.FAMILIES:
+        for gpu_bf16 in (None, True, False):
+            assert steptime.family(calibrate.profile_for(fam, gpu_bf16)) == fam
+    for gpu, device in ((False, "cpu"), (True, "cuda")):
+        keys = {k for k, *_ in calibrate.optimizer_factories(gpu)}
+        for p in PROFILES.values():
+            assert steptime.optimizer_kind(p, device) in keys, (p.name, device)
+
+
+@pytest.fixture(scope="module")
+def doctor_json(tmp_path_factory):
+    """`vramfit doctor --calibrate --json` once, quick sizes, into a temporary cache folder."""
+    cache = tmp_path_factory.mktemp("cache")
+    r = run_cli("doctor", "--calibrate", "--json", env={"XDG_CACHE_HOME": str(cache), "VRAMFIT_CALIBRATE_QUICK": "1"},
+                timeout=300)
+    return r, cache
+
+
+def test_doctor_calibrate_json(doctor_json):
+    r, cache = doctor_json
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)  # JSON alone on stdout; progress went to stderr
+    assert "calibrate:" in r.stderr
+    cal = doc["calibration"]
+    assert cal["problem"] is None and cal["path"].startswith(str(cache)) and os.path.exists(cal["path"])
+    assert cal["age_days"] < 0.1 and cal["summary"]["name"].startswith("cpu: ")
+    assert set(cal["summary"]["cpu"]) >= {"matmul_tflops", "memory_gb_s", "op_us", "view_us"}
+    assert "torch_fused_adamw@cpu" in cal["summary"]["optimizer_s_per_100m_params"]
+
+
+def test_calibrated_numbers_are_positive_and_sane(doctor_json):
+    r, _ = doctor_json
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = Machine.from_dict(json.loads(r.stdout)["calibration"]["machine"])
+    assert Machine.from_dict(m.to_dict()) == m
+    c = m.compute
+    assert c.device == "cpu" and m.host == c  # a CPU-only machine: measured once
+    assert "float32" in c.matmul and "bfloat16" in c.matmul
+    for dtype, curve in c.matmul.items():
+        flops = [f for f, _ in curve]
+        assert flops == sorted(flops) and len(set(flops)) == len(flops), dtype
+        assert all(rate > 0 for _, rate in curve) and c.matmul_rate(dtype, flops[-1]) == pytest.approx(curve[-1][1])
+        assert max(rate for _, rate in curve) < 1e14, "a 2-core CPU does not reach 100 TFLOPS"
+    assert c.attention["float32"] > 0
+    assert 1e8 < c.memory_bytes_per_s < 1e13
+    assert 0 <= c.op_s < 1e-2 and 0 < c.view_s < 1e-3
+    for links in (m.h2d_bytes_per_s, m.d2h_bytes_per_s):
+        assert set(links) == {"pinned", "pageable"} and all(v > 0 for v in links.values())
+    per_param, per_tensor = m.optimizers["torch_fused_adamw@cpu"]
+    assert per_param >= 0 and per_tensor >= 0 and per_param + per_tensor > 0
+    assert set(m.engines["amp"]) == {"micro_s", "micro_tensor_s", "step_s", "step_tensor_s"}
+    assert all(0 <= v < 1 for v in m.engines["amp"].values())
+    assert m.disk_write_bytes_per_s > 0 and m.threads >= 1
+    assert m.source.startswith("calibrated ") and m.name in m.source
+    assert m.measured["versions"]["torch"] and m.measured["load_average_before"]
+    assert "deepspeed_cpu_adam@cpu" in m.measured["skipped"]  # quick: DeepSpeed left out, and said so
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_deepspeed_engine_and_optimizers(tmp_path):
+    """One DeepSpeed offload family and DeepSpeed's optimizers, measured or skipped with a reason."""
+    s = calibrate.Sizes.quick()
+    s = calibrate.Sizes(**{**s.__dict__, "families": ("amp", "zero2_offload"), "deepspeed": True})
+    m = calibrate.calibrate(s, output_dir=str(tmp_path))
+    skipped = m.measured["skipped"]
+    for key in ("deepspeed_cpu_adam@cpu", "deepspeed_fused_adam@cpu"):
+        assert key in m.optimizers or key in skipped
+    assert "zero2_offload" in m.engines or "engine zero2_offload" in skipped
+    if "zero2_offload" in m.engines:
+        assert all(v >= 0 for v in m.engines["zero2_offload"].values())
