@@ -1,6 +1,8 @@
-"""Command line: ``vramfit doctor | plan | profiles | train | bench | export | plot | config-reference``.
+"""Command line: ``vramfit doctor | plan | tune | profiles | train | bench | export | plot | config-reference``.
 
-Commands only: each parses its arguments, calls the module that does the work and prints the result.
+Commands only: each parses its arguments, calls the module that does the work and prints the result. The
+commands import their modules when they run, so that ``vramfit --help`` and a typo answer at once instead of
+after importing torch, transformers and DeepSpeed.
 """
 
 from __future__ import annotations
@@ -48,13 +50,10 @@ def strip_local_rank(argv: list[str]) -> list[str]:
 
 
 @contextlib.contextmanager
-def stdout_for_json(enabled: bool):
-    """While a ``--json`` command works, everything written to stdout (file descriptor 1: DeepSpeed's
-    logger, a JIT compiler, a library's print) goes to stderr; the JSON is written to the real stdout
-    through the returned stream. Without ``--json``, plain sys.stdout."""
-    if not enabled:
-        yield sys.stdout
-        return
+def results_stdout():
+    """While a command works, everything written to stdout (file descriptor 1: DeepSpeed's logger, a JIT
+    compiler, a library's print) goes to stderr; the command's result is written to the real stdout through
+    the returned stream, so stdout holds the table or the JSON document alone."""
     sys.stdout.flush()
     saved = os.dup(1)
     os.dup2(2, 1)
@@ -72,19 +71,19 @@ def cmd_doctor(args) -> int:
     from launcher import calibrate
     from launcher.hardware import format_report, probe
 
-    with stdout_for_json(args.json) as out:
-        hw = probe(with_cpu_adam=True)
-        if args.build_ops:
-            from launcher.hardware import build_ops
+    out = args.stdout
+    hw = probe(with_cpu_adam=True)
+    if args.build_ops:
+        from launcher.hardware import build_ops
 
-            print(build_ops())
-            hw = probe(with_cpu_adam=True)
-        if args.calibrate:
-            calibrate.calibration(force=True)  # measured now (under a minute) and cached
-        cal = calibrate.read()
-        doc = {**hw.to_dict(), "calibration": cal.to_dict()}
-        print(json.dumps(doc, indent=2) if args.json else format_report(hw) + "\n" + calibrate.format_report(cal),
-              file=out)
+        print(build_ops(), file=sys.stderr)
+        hw = probe(with_cpu_adam=True)
+    if args.calibrate:
+        calibrate.calibration(force=True)  # measured now (under a minute) and cached
+    cal = calibrate.read()
+    doc = {**hw.to_dict(), "calibration": cal.to_dict()}
+    print(json.dumps(doc, indent=2) if args.json else format_report(hw) + "\n" + calibrate.format_report(cal),
+          file=out)
     return 0
 
 
@@ -97,27 +96,55 @@ def cmd_profiles(args) -> int:
             print("ds_configs/ and the profile catalogue disagree:\n  " + "\n  ".join(problems)
                   + "\nfix: run `vramfit profiles` to regenerate them", file=sys.stderr)
             return 1
-        print(f"{sum(p.is_deepspeed for p in profiles.PROFILES.values())} DeepSpeed profiles in {args.dir} match the code")
+        print(f"{sum(p.is_deepspeed for p in profiles.PROFILES.values())} DeepSpeed profiles in {args.dir} match the code",
+              file=args.stdout)
         return 0
     for path in profiles.write_all(args.dir):
-        print(f"wrote {path}")
-    print(profiles.table_markdown())
+        print(f"wrote {path}", file=args.stdout)
+    print(profiles.table_markdown(), file=args.stdout)
     return 0
 
 
 def cmd_plan(args) -> int:
-    from launcher import advice, planner, report
+    from launcher import advice, calibrate, compare, gpus, planner, report
     from launcher.config import load_config
     from launcher.hardware import probe
 
     path, overrides = _split_config(args.config)
-    with stdout_for_json(args.json) as out:
-        cfg = load_config(path, overrides)
-        hw = probe()
-        world = dist.current().world
-        plan = advice.add_suggestions(planner.plan(cfg, hw, world=world), cfg, hw, world=world)
-        print(json.dumps(plan.to_json(), indent=2) if args.json else report.format_table(plan), file=out)
+    out = args.stdout
+    if args.price and not args.compare_gpus:
+        raise ConfigError([f"--price: got {args.price!r} without --compare-gpus; rule: prices cost a comparison of "
+                           "GPUs; fix: add --compare-gpus"], "command line")
+    if args.gpu and args.compare_gpus:
+        raise ConfigError(["--gpu with --compare-gpus; rule: one GPU, or all of them; fix: drop one"], "command line")
+    cfg = load_config(path, overrides)
+    spec = gpus.find(args.gpu) if args.gpu else None  # a bad name fails before anything is measured
+    prices = compare.parse_prices(args.price) if args.compare_gpus else {}
+    hw = probe()
+    world = dist.current().world
+    if args.compare_gpus:
+        rows = compare.compare(cfg, hw, calibrate.load_or_calibrate(), prices, world=world)
+        print(json.dumps({"gpus": [r.to_dict() for r in rows], "max_steps": cfg.train.max_steps}, indent=2)
+              if args.json else compare.table(rows, cfg.train.max_steps), file=out)
+        return 0 if any(r.fits for r in rows) else 2
+    if spec is not None:  # plan for a card that is not here: its data sheet, this machine as its host
+        machine = gpus.machine(spec, calibrate.load_or_calibrate())
+        hw = gpus.hardware(spec, hw)
+    else:  # this machine, priced when it has been calibrated (vramfit doctor --calibrate)
+        machine = calibrate.calibration(measure=False)
+    plan = advice.add_suggestions(planner.plan(cfg, hw, world=world, machine=machine), cfg, hw, world=world)
+    print(json.dumps(plan.to_json(), indent=2) if args.json else report.format_table(plan), file=out)
     return 0 if plan.chosen else 2
+
+
+def cmd_tune(args) -> int:
+    from launcher import tune
+
+    path, overrides = _split_config(args.config)
+    doc = tune.tune(path, overrides, top=args.top, out_yaml=args.out, out_dir=args.dir, steps=args.steps,
+                    warmup=args.warmup, timeout=args.timeout)
+    print(tune.table(doc), file=args.stdout)
+    return 0
 
 
 def cmd_train(args) -> int:
@@ -137,28 +164,28 @@ def cmd_bench(args) -> int:
     path, overrides = _split_config(args.config)
     doc = bench.main(path, overrides, profiles=args.profiles, out=args.out, steps=args.steps, warmup=args.warmup,
                      find=args.find, timeout=args.timeout, candidates=args.candidates)
-    print(bench.markdown(doc))  # the table last, on stdout
+    print(bench.markdown(doc), file=args.stdout)  # the table last, on stdout
     return 0 if any(r.get("status") == bench.STATUS_OK for r in doc["results"]) else 1
 
 
 def cmd_export(args) -> int:
     from launcher.export import export
 
-    print(export(args.run_dir, args.out, merge=args.merge))
+    print(export(args.run_dir, args.out, merge=args.merge), file=args.stdout)
     return 0
 
 
 def cmd_plot(args) -> int:
     from launcher.plots import plot_run
 
-    print(plot_run(args.run_dir))
+    print(plot_run(args.run_dir), file=args.stdout)
     return 0
 
 
-def cmd_config_reference(_args) -> int:
+def cmd_config_reference(args) -> int:
     from launcher.config import reference_markdown
 
-    print(reference_markdown())
+    print(reference_markdown(), file=args.stdout)
     return 0
 
 
@@ -188,7 +215,25 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("config", nargs="*", metavar="[CONFIG] [key=value ...]")
         if name == "plan":
             s.add_argument("--json", action="store_true", help="machine-readable output")
+            s.add_argument("--gpu", default=None, metavar="NAME",
+                           help="plan for a GPU of the catalogue that is not here (T4, L4, A10G, RTX3090, ...; "
+                                "memory.cpu_budget=GiB for the rented host's RAM)")
+            s.add_argument("--compare-gpus", action="store_true",
+                           help="a row per catalogue GPU: fits, setup, tokens/s, hours and cost of the run")
+            s.add_argument("--price", default=None, metavar="NAME=USD_PER_H,...",
+                           help="with --compare-gpus: prices per hour, e.g. T4=0.35,L4=0.80")
         s.set_defaults(fn=fn)
+
+    tu = sub.add_parser("tune", help="measure the planner's fastest few settings and keep the fastest measured",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    tu.add_argument("config", nargs="*", metavar="[CONFIG] [key=value ...]")
+    tu.add_argument("--top", type=int, default=3, help="settings to measure, fastest predicted first (default: %(default)s)")
+    tu.add_argument("--out", default=None, metavar="FILE.yaml", help="write the fastest measured settings here")
+    tu.add_argument("--dir", default="tune-out", help="where the runs and logs go (default: %(default)s)")
+    tu.add_argument("--steps", type=int, default=6, help="timed steps per setting (default: %(default)s)")
+    tu.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps (default: %(default)s)")
+    tu.add_argument("--timeout", type=float, default=1800, help="seconds per run (default: %(default)s)")
+    tu.set_defaults(fn=cmd_tune)
 
     b = sub.add_parser("bench", help="the same workload under several profiles, each in its own process")
     b.add_argument("config", nargs="*", metavar="[CONFIG] [key=value ...]")
@@ -228,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     log.setup(rank=dist.current().rank)
     try:
-        return args.fn(args)
+        with results_stdout() as args.stdout:
+            return args.fn(args)
     except ConfigError as e:
         if dist.current().is_main:  # every rank finds the same problems: one copy is enough
             print(f"vramfit: {e}", file=sys.stderr)

@@ -17,7 +17,7 @@ import psutil
 import torch
 
 from launcher import checkpoint as ckpt
-from launcher import dist, engines, generate, log, lora, plots, progress
+from launcher import calibrate, dist, engines, generate, log, lora, plots, progress
 from launcher.config import Config, ConfigError, to_yaml
 from launcher.data import load_data, micro_batches
 from launcher.engines.base import StepResult
@@ -62,7 +62,9 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None) -> dict:
     # ---- decide everything before loading anything
     hf_config = model_config(cfg)
     lora.check(cfg, hf_config)  # bitsandbytes present when needed; LoRA target names exist (on a meta model)
-    spec = resolve(cfg, hw, ranks.world, ranks.local_rank)
+    # this machine's measured speeds, when `vramfit doctor --calibrate` has run: the plan then picks the
+    # fastest predicted setting that fits (never measured here: a training start stays fast)
+    spec = resolve(cfg, hw, ranks.world, ranks.local_rank, machine=calibrate.calibration(measure=False))
     for r in spec.reasons:
         logger.info(r)
     seq_len = cfg.data.seq_len

@@ -8,6 +8,21 @@ import pytest
 import torch
 
 
+@pytest.fixture(autouse=True, scope="session")
+def private_cache(tmp_path_factory):
+    """Tests never read or write the user's cache folder (a calibration there would change the plans the
+    tests expect): XDG_CACHE_HOME points at a temporary folder, for this process and the CLI runs it starts."""
+    import os
+
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` skip themselves without CUDA (``pytest -m gpu`` selects them on a GPU host)."""
     if torch.cuda.is_available():
