@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, field, replace
 import psutil
 import torch
 
-from launcher import checkpoint as ckpt
 from launcher import calibrate, dist, engines, generate, log, lora, plots, progress
+from launcher import checkpoint as ckpt
 from launcher.config import Config, ConfigError, to_yaml
 from launcher.data import load_data, micro_batches
 from launcher.engines.base import StepResult
