@@ -6,9 +6,9 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 
 import pytest
-import tomllib
 
 from helpers import ROOT
 

@@ -10,9 +10,9 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 
 import pytest
-import tomllib
 import torch
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name

@@ -418,7 +418,7 @@ def _first_tensor(out):
     return None
 
 
-def _checkpoint_with_mode(checkpoint, fmode: _FunctionMode, state: dict, function, *args, **kwargs):
+def _checkpoint_with_mode(checkpoint, fmode: _FunctionMode, state: dict, enter, function, *args, **kwargs):
     """A layer's checkpoint function whose recompute (in backward) runs under our function mode, the way
     torch's checkpoint re-enters autocast for it; the recompute's weight casts die with it."""
 
@@ -436,6 +436,8 @@ def _checkpoint_with_mode(checkpoint, fmode: _FunctionMode, state: dict, functio
             fmode.clear_cache()
             fmode.enabled = enabled
 
+    if state["phase"] == "forward":
+        enter()  # transformers < 5.23 checkpoints the layer's __call__, so its forward pre-hook runs inside
     return checkpoint(run, *args, **kwargs)
 
 
@@ -524,7 +526,8 @@ def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: t
         hooks.append(layer.register_forward_hook(post))
         ckpt = getattr(layer, "_gradient_checkpointing_func", None)
         if ckpt is not None and getattr(layer, "gradient_checkpointing", False):
-            layer._gradient_checkpointing_func = functools.partial(_checkpoint_with_mode, ckpt, fmode, state)
+            layer._gradient_checkpointing_func = functools.partial(_checkpoint_with_mode, ckpt, fmode, state,
+                                                                   functools.partial(set_region, f"layer{i}"))
             restore.append(layer)
 
     def on_grad(p):
