@@ -4,7 +4,7 @@ import os
 import pytest
 
 from helpers import ROOT, run_cli
-from launcher.config import Config, ConfigError, load_config, reference_markdown
+from launcher.config import Config, ConfigError, load_config
 
 
 def problems_of(*overrides, path=None):
@@ -95,18 +95,6 @@ def test_cli_config_errors_one_message_nonzero_exit():
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))))
 def test_shipped_example_configs_validate(path):
     load_config(path, [])
-
-
-def test_readme_generated_sections_are_current():
-    """The README's profile table and config reference come from the code (scripts/update_readme.py)."""
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    assert reference_markdown() in readme, "README config reference drifted: run python scripts/update_readme.py"
-    import subprocess
-    import sys
-
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "update_readme.py"), "--check"],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
 
 
 def test_yaml_booleans_in_string_fields():
