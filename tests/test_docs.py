@@ -89,7 +89,7 @@ def test_pages_name_paths_that_exist():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None,
-                    reason="mkdocs is not installed in this environment (pip install mkdocs) to build docs/")
+                    reason="mkdocs is not installed here (it comes with the test extra: pip install -e '.[test]')")
 def test_mkdocs_build_strict(tmp_path):
     """Every page is in the nav, every link and anchor between pages resolves (mkdocs.yml makes those warnings,
     --strict makes warnings errors)."""
