@@ -1,6 +1,6 @@
 """Run configuration: one dataclass per section, a YAML file plus ``key=value`` overrides.
 
-Every field carries a one-line ``help`` (used by ``vramfit config-reference`` and the README), and
+Every field carries a one-line ``help`` (used by ``vramfit config-reference`` and docs/reference/config.md), and
 optionally ``choices`` or bounds. :func:`load_config` walks the user's keys against the schema,
 collects *every* problem (unknown key, bad type, out-of-range value, impossible batch arithmetic)
 and raises one :class:`ConfigError` listing them, each with the value, the rule and the fix.
@@ -443,7 +443,7 @@ def to_dict(cfg: Config) -> dict:
 
 
 def reference_markdown() -> str:
-    """The config reference table, generated from the schema (README section; a test keeps them equal)."""
+    """The config reference table, generated from the schema (docs/reference/config.md; a test keeps them equal)."""
     lines = ["| key | default | meaning |", "| --- | --- | --- |"]
 
     def walk(cls, prefix):
