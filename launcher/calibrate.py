@@ -573,21 +573,19 @@ def _copies(gpu: bool, s: Sizes, raw: dict, skipped: dict) -> tuple[dict, dict]:
 
 
 def _op_built(name: str) -> str | None:
-    """None when DeepSpeed's op ``name`` loads without compiling (installed with DeepSpeed, or JIT-built
-    already); else why not. Loading an unbuilt op compiles it, minutes: calibration never does that."""
-    from launcher.hardware import op_cache_dir
+    """None when DeepSpeed's op ``name`` loads without compiling (installed with DeepSpeed, or JIT-built and up
+    to date for the ninja runs use); else why not. Loading an unbuilt op compiles it, minutes: calibration
+    never does that."""
+    from launcher.hardware import op_state, use_env_ninja
 
     try:
-        from deepspeed.git_version_info import installed_ops
-
-        if installed_ops.get(name):
-            return None
+        st = op_state(name, use_env_ninja())
     except Exception as e:  # noqa: BLE001 -- DeepSpeed not importable: the caller asked deepspeed_status first
         return f"{type(e).__name__}: {e}"
-    folder = os.path.join(op_cache_dir(), name)
-    if os.path.isdir(folder) and any(f.startswith(name) and f.endswith(".so") for f in os.listdir(folder)):
+    if not st.compiles:
         return None
-    return f"DeepSpeed's {name} op is not built (vramfit doctor --build-ops builds it, minutes once)"
+    return (f"DeepSpeed's {name} op is {st.state}{': ' + st.detail if st.state == 'stale' else ''} (vramfit doctor "
+            "--build-ops builds it, minutes once)")
 
 
 def optimizer_factories(gpu: bool, deepspeed: bool = True) -> list[tuple[str, str, object, str | None]]:
@@ -704,7 +702,7 @@ def _engine_problem(p, cfg, hw, device) -> str | None:
     problem = profile_problem(p, cfg, hw, device)
     if problem or p.engine != "deepspeed":
         return problem
-    needed = ["cpu_adam"] if p.offload_optimizer else ["fused_adam"]  # the AdamW DeepSpeed builds from the config
+    needed = []  # the catalogue's profiles step with torch's fused AdamW: no Adam op
     if device.type == "cpu":
         needed.append("deepspeed_shm_comm")  # DeepSpeed's CPU accelerator loads it with the process group
     for op in needed:

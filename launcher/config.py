@@ -101,6 +101,9 @@ class TrainConfig:
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this (0 = off).", min=0.0)
     eval_every: int = _f(0, "Eval loss every N steps (0 = only at the end when an eval split exists).", min=0)
     optimizer: str = _f("adamw", "adamw, or adamw8bit (bitsandbytes, AMP path only).", choices=("adamw", "adamw8bit"))
+    threads: Any = _f(AUTO, "Intra-op CPU threads of the training process (matmuls, the optimizer step): auto = the "
+                      "cores other processes leave free (measured at start), or a number.", min=1, auto=True,
+                      number=int)
     oom_fallback: bool = _f(True, "On out-of-memory step down the ladder (smaller micro-batch, checkpointing, more "
                             "offload); false = fail at once (benchmarks, so a result is the asked settings).")
 

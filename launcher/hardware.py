@@ -50,6 +50,10 @@ class Hardware:
     peft: str | None = None
     bitsandbytes: str | None = None
     stale_op_locks: list[str] = field(default_factory=list)
+    compilers: dict = field(default_factory=dict)  # 'cxx' and 'nvcc': path or None (doctor)
+    ninja: str = ""  # which ninja builds DeepSpeed's ops (doctor)
+    ops: dict = field(default_factory=dict)  # DeepSpeed op -> {'state', 'detail'} (doctor)
+    threads: dict = field(default_factory=dict)  # the training process's thread settings (launcher.threads)
 
     @property
     def has_cuda(self) -> bool:
@@ -158,6 +162,12 @@ def probe(with_cpu_adam: bool = False) -> Hardware:
     hw.deepspeed, hw.deepspeed_error = deepspeed_status()
     hw.cpu_adam = cpu_adam_status(hw.deepspeed_error) if with_cpu_adam else "not checked"
     hw.stale_op_locks = stale_op_locks() if with_cpu_adam else []
+    if with_cpu_adam:
+        hw.compilers, hw.ninja = compilers(), ninja_report()
+        if hw.deepspeed_error is None:
+            ninja = use_env_ninja()
+            hw.ops = {n: {"state": st.state, "detail": st.detail} for n in deepspeed_op_names()
+                      for st in [op_state(n, ninja)]}
     hw.transformers, hw.peft, hw.bitsandbytes = _version("transformers"), _version("peft"), _version("bitsandbytes")
     return hw
 
@@ -211,6 +221,17 @@ def format_report(hw: Hardware) -> str:
                  f"transformers {hw.transformers}, peft {hw.peft}, bitsandbytes {hw.bitsandbytes or 'not installed'}")
     lines.append(f"deepspeed: {hw.deepspeed or 'not usable: DeepSpeed ' + str(hw.deepspeed_error)}; "
                  f"CPU Adam op: {hw.cpu_adam}")
+    if hw.compilers:
+        lines.append(f"compilers: g++ {hw.compilers.get('cxx') or 'not found (CPU ops cannot be JIT-built)'}; nvcc "
+                     f"{hw.compilers.get('nvcc') or 'not found (CUDA ops cannot be JIT-built; vramfit needs none)'}")
+    if hw.ninja:
+        lines.append(hw.ninja)
+    for name, st in hw.ops.items():
+        if st["state"] == "stale":
+            lines.append(f"DeepSpeed op {name}: would be REBUILT at its next load ({st['detail']}); "
+                         "vramfit doctor --build-ops rebuilds it now")
+        else:
+            lines.append(f"DeepSpeed op {name}: {st['state']}" + (f" ({st['detail']})" if st["detail"] else ""))
     for path in hw.stale_op_locks:
         lines.append(f"stale op build lock (a killed run left it; runs would wait on it): {path} -- "
                      "training removes it, or delete it yourself")
@@ -228,10 +249,10 @@ def build_ops() -> str:
     from deepspeed.accelerator import get_accelerator
 
     acc = get_accelerator()
-    lines = []
+    lines = [ninja_report()]
+    use_env_ninja()  # the ninja every run uses (see use_env_ninja): a build by another one would not be reused
     if acc.device_name() == "cpu":
-        # The shared-memory comm op first, through DeepSpeed's own call: built any other way (after other
-        # ops, in the same process) its compile command differs and every run rebuilds it (minutes).
+        # The shared-memory comm op through DeepSpeed's own call, the one its process group makes.
         from deepspeed.comm.torch import build_shm_op
 
         t = time.perf_counter()
@@ -257,6 +278,157 @@ def build_ops() -> str:
 
 def op_cache_dir() -> str:
     return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/torch_extensions")
+
+
+# ------------------------------------------------------------------------------------------------
+# DeepSpeed's JIT ops: which ninja builds them, whether a load would compile
+
+
+def deepspeed_op_names() -> list[str]:
+    """DeepSpeed's JIT ops a vramfit run or benchmark may load here: the shared-memory comm op (DeepSpeed's CPU
+    accelerator loads it with the process group), and its Adam ops (a user's deepspeed_config with an
+    ``optimizer`` section; the catalogue's profiles step with torch's fused AdamW and need neither)."""
+    try:
+        from deepspeed.accelerator import get_accelerator
+
+        cpu = get_accelerator().device_name() == "cpu"
+    except Exception:  # noqa: BLE001 -- DeepSpeed not importable: no ops to speak of
+        return []
+    return (["deepspeed_shm_comm"] if cpu else []) + ["cpu_adam", "fused_adam"]
+
+
+_PATH_AT_START = os.environ.get("PATH", "")  # before use_env_ninja: what a plain start of this command finds
+
+# Minutes a first build of each op took on a 2-core EPYC (its ninja logs; load 2-8 while it built): what the
+# notice says when this machine has no build of its own on record.
+OP_BUILD_MINUTES = {"cpu_adam": 1, "fused_adam": 4, "deepspeed_shm_comm": 2}
+
+
+def env_ninja() -> str | None:
+    """The ninja of this Python environment (the ``ninja`` package, a DeepSpeed dependency), or None."""
+    try:
+        import ninja
+    except ImportError:
+        return None
+    path = os.path.join(getattr(ninja, "BIN_DIR", ""), "ninja")
+    return path if os.access(path, os.X_OK) else None
+
+
+def use_env_ninja() -> str | None:
+    """Put this environment's ninja first on ``PATH`` (for this process and its children); returns the ninja
+    that torch's JIT builds now run.
+
+    torch runs whichever ``ninja`` ``PATH`` finds first, and two versions disagree about what is built:
+    ninja 1.13 hashes the build commands it records in ``.ninja_log`` with another function than 1.11, so each
+    reads the other's entries as "command line changed" and compiles the op again (minutes) although
+    ``build.ninja`` and the sources are the same. An activated environment finds its own ninja (1.13 from the
+    ``ninja`` package here), ``.venv/bin/python -m launcher`` without activation the system's (1.11): runs
+    started both ways rebuilt each op in turn. Putting the environment's ninja first is what activating
+    the environment does, for this one tool."""
+    mine = env_ninja()
+    if mine is None:
+        return shutil.which("ninja")
+    folder = os.path.dirname(mine)
+    parts = os.environ.get("PATH", "").split(os.pathsep)
+    if not parts or parts[0] != folder:
+        os.environ["PATH"] = os.pathsep.join([folder] + [x for x in parts if x != folder])
+    return mine
+
+
+@dataclass
+class OpState:
+    name: str
+    state: str  # 'installed' (prebuilt with DeepSpeed) | 'built' | 'stale' (a load recompiles) | 'not built'
+    detail: str = ""  # why stale, or what is missing
+    last_build_s: float | None = None  # how long this machine's last build of it took (from the ninja log)
+
+    @property
+    def compiles(self) -> bool:
+        """Loading the op now runs the compiler."""
+        return self.state in ("stale", "not built")
+
+    def notice(self) -> str:
+        """What a run says before loading an op that compiles (a build is never silent)."""
+        minutes = (max(1, round(self.last_build_s / 60)) if self.last_build_s
+                   else OP_BUILD_MINUTES.get(self.name, 2))
+        first = "first use" if self.state == "not built" else f"its build is out of date: {self.detail}"
+        return (f"building DeepSpeed op {self.name} ({first}, about {minutes} minute{'s' if minutes != 1 else ''}; "
+                "`vramfit doctor --build-ops` builds them ahead of a run)")
+
+
+def _last_build_s(folder: str) -> float | None:
+    """Seconds of the last build in ``folder``'s ``.ninja_log`` (its lines: start ms, end ms, mtime, output, hash)."""
+    try:
+        with open(os.path.join(folder, ".ninja_log")) as fh:
+            rows = [ln.split("\t") for ln in fh if not ln.startswith("#")]
+    except OSError:
+        return None
+    ends = [int(r[1]) for r in rows if len(r) >= 5 and r[1].isdigit()]
+    # a build starts again at 0 ms: the last build is the run of entries after the last restart
+    starts = [i for i, r in enumerate(rows) if len(r) >= 5 and r[0].isdigit() and int(r[0]) < 50]
+    if not ends or not starts:
+        return None
+    last = rows[starts[-1]:]
+    return max(int(r[1]) for r in last if len(r) >= 5 and r[1].isdigit()) / 1000.0
+
+
+def op_state(name: str, ninja: str | None = None) -> OpState:
+    """Whether loading DeepSpeed's op ``name`` would compile, asked of the ninja torch will run (``ninja -n``:
+    a dry run that changes nothing). It judges the ``build.ninja`` already there; a DeepSpeed or torch
+    upgrade that changes the flags rewrites that file at the next load and so is not seen here."""
+    import subprocess
+
+    try:
+        from deepspeed.git_version_info import installed_ops
+
+        if installed_ops.get(name):
+            return OpState(name, "installed")
+    except Exception:  # noqa: BLE001 -- DeepSpeed not importable: then nothing is built either
+        pass
+    folder = os.path.join(op_cache_dir(), name)
+    last = _last_build_s(folder)
+    if not os.path.isfile(os.path.join(folder, f"{name}.so")):
+        return OpState(name, "not built", f"no {name}.so in {folder}", last)
+    ninja = ninja or shutil.which("ninja")
+    if ninja is None or not os.path.isfile(os.path.join(folder, "build.ninja")):
+        return OpState(name, "built", "not checked: no ninja or no build.ninja", last)
+    try:
+        out = subprocess.run([ninja, "-n", "-d", "explain"], cwd=folder, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return OpState(name, "built", f"not checked: {type(e).__name__}", last)
+    text = out.stdout + out.stderr
+    if out.returncode == 0 and "no work to do" in text:
+        return OpState(name, "built", "", last)
+    why = next((ln.split("explain:", 1)[1].strip() for ln in text.splitlines() if "explain:" in ln), text.strip()[:200])
+    return OpState(name, "stale", f"{why} (ninja {ninja})", last)
+
+
+def ninja_report() -> str:
+    """Which ninja builds DeepSpeed's ops here, and any other one on PATH that a different start would pick."""
+    import subprocess
+
+    def version(path):
+        try:
+            return subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return "?"
+
+    mine = env_ninja()
+    found = shutil.which("ninja", path=_PATH_AT_START)
+    if mine is None:
+        return f"ninja: {found} ({version(found)}) from PATH" if found else "ninja: not found (pip install ninja)"
+    text = f"ninja: {mine} ({version(mine)}), this environment's, used for every op build"
+    if found and os.path.realpath(found) != os.path.realpath(mine):
+        text += f"; PATH alone would find {found} ({version(found)}), which vramfit puts behind it"
+    return text
+
+
+def compilers() -> dict:
+    """The compilers JIT-built ops need: g++ (CPU ops; CXX if set) and nvcc (CUDA ops), path or None."""
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    nvcc = shutil.which("nvcc") or (os.path.join(cuda_home, "bin", "nvcc") if cuda_home and os.path.isfile(
+        os.path.join(cuda_home, "bin", "nvcc")) else None)
+    return {"cxx": shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++"), "nvcc": nvcc}
 
 
 def stale_op_locks(max_age_s: float = 900.0) -> list[str]:

@@ -41,7 +41,7 @@ from launcher.memory.states import (
 )
 from launcher.memory.trace import ActivationEstimate, TraceSettings, estimate_activations
 from launcher.precision import DTYPES
-from launcher.profiles import PROFILES, Profile
+from launcher.profiles import PROFILES, Profile, bucket_sizes, in_catalogue
 from launcher.steptime import Machine
 from launcher.units import GiB, gib
 
@@ -74,6 +74,7 @@ class ProfilePlan:
     eta_s: float | None = None  # the whole run (train.max_steps steps)
     time_parts: dict = field(default_factory=dict)  # part -> seconds per step (launcher.steptime)
     time_notes: list = field(default_factory=list)
+    reduce_bucket_size: int | None = None  # DeepSpeed on one rank: the gradient bucket the run gets (elements)
 
     @property
     def setting(self) -> str:
@@ -372,8 +373,13 @@ def plan(cfg: Config, hw: Hardware, profiles: list[str] | None = None, *, world:
         if asked == AUTO and avail.user.micro_batch:
             asked = avail.user.micro_batch
     pinned, _why = pin_memory_ok(hw, 16 * run.counts.trainable) if run.device == "cuda" else (False, "")
-    searched = [_best_setting(avail.profile(n), run, cfg, asked, gpu_budget, cpu_budget, avail.why_not(n), machine,
-                              pinned) for n in names]
+    searched = []
+    for n in names:
+        p = avail.profile(n)
+        row, cands = _best_setting(_smallest_buckets(p, run), run, cfg, asked, gpu_budget, cpu_budget,
+                                   avail.why_not(n), machine, pinned)
+        searched.append((_grow_buckets(p, run, row, gpu_budget, cpu_budget, machine, pinned, cfg.train.max_steps),
+                         cands))
     rows = [row for row, _ in searched]
     if avail.user is not None:  # its explicit batch sizes, clipping and optimizer params against the run's
         r = rows[0]
@@ -478,6 +484,41 @@ def _best_setting(p: Profile, run: RunShape, cfg: Config, asked, gpu_budget: int
         if best.fits:
             return best, [best if c is r else c for c in fitting]
     return best, []
+
+
+def _bucket_choice(p: Profile, run: RunShape) -> bool:
+    """The planner sizes the buckets: a catalogue DeepSpeed profile on one rank (several ranks keep hidden**2,
+    a user's deepspeed_config its own or Accelerate's rule)."""
+    return p.is_deepspeed and in_catalogue(p) and run.world == 1 and p.reduce_bucket_size is None
+
+
+def _smallest_buckets(p: Profile, run: RunShape) -> Profile:
+    """``p`` with hidden**2 buckets, the size the micro-batch and checkpointing search plans with: a bucket
+    only ever takes the memory the chosen setting leaves (:func:`_grow_buckets`), never makes it slower."""
+    return dataclasses.replace(p, reduce_bucket_size=run.hidden ** 2) if _bucket_choice(p, run) else p
+
+
+def _grow_buckets(p: Profile, run: RunShape, row: ProfilePlan, gpu_budget: int, cpu_budget: int,
+                  machine: Machine | None, pinned: bool, max_steps: int) -> ProfilePlan:
+    """The chosen setting of ``p`` with the largest gradient bucket that still fits: all trainable gradients in
+    one bucket up to DeepSpeed's 5e8 (:func:`launcher.profiles.bucket_sizes`), else the largest halving of it
+    that fits, down to hidden**2. Not priced by the step-time model: on one rank a bucket is a fixed cost per
+    reduction with nothing to overlap (fewer is never slower), so the only trade is memory, which the plan
+    counts (two buffers of the bucket size in the compute dtype)."""
+    if not _bucket_choice(p, run) or not row.available or not row.fits or row.lower_bound:
+        return row
+    h2 = run.hidden ** 2
+    size = bucket_sizes(run.hidden, 1, run.counts.adapters if run.lora_r else run.counts.total)["reduce_bucket_size"]
+    shape = dataclasses.replace(run, checkpointing=row.checkpointing, checkpoint_every=row.checkpoint_every)
+    while size > h2:
+        bigger = _plan_profile(dataclasses.replace(p, reduce_bucket_size=size), shape, row.micro_batch, gpu_budget,
+                               cpu_budget, machine=machine, pinned=pinned, max_steps=max_steps)
+        if bigger.fits:
+            bigger.reduce_bucket_size = size
+            return bigger
+        size //= 2
+    row.reduce_bucket_size = h2
+    return row
 
 
 def _nth(k: int) -> str:

@@ -36,6 +36,9 @@ class Profile:
     # A user's DeepSpeed JSON (launcher.user_ds_config) may fix its bucket sizes; None: from the hidden size.
     reduce_bucket_size: int | None = None
     prefetch_bucket_size: int | None = None
+    # DeepSpeed builds its own Adam from the config (a user's JSON with an "optimizer" section: FusedAdam or
+    # DeepSpeedCPUAdam); False: torch's fused AdamW as DeepSpeed's client optimizer, as every catalogue profile
+    ds_optimizer: bool = False
 
     @property
     def offloads(self) -> bool:
@@ -79,6 +82,11 @@ def get(name: str) -> Profile:
     return PROFILES[name]
 
 
+def in_catalogue(p: Profile) -> bool:
+    """A catalogue profile (possibly with the planner's bucket sizes), not a user's deepspeed_config row."""
+    return p.name in PROFILES
+
+
 def ds_config_template(p: Profile) -> dict:
     """The DeepSpeed config of a profile, with ``"auto"`` where the run decides."""
     if not p.is_deepspeed:
@@ -104,8 +112,10 @@ def ds_config_template(p: Profile) -> dict:
         "steps_per_print": 1_000_000_000,  # vramfit logs; keep DeepSpeed quiet
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
-        "optimizer": {"type": "AdamW",
-                      "params": {"lr": AUTO, "betas": AUTO, "eps": AUTO, "weight_decay": AUTO}},
+        # No "optimizer" section: vramfit passes torch's fused AdamW as DeepSpeed's client optimizer (as fast as
+        # DeepSpeed's FusedAdam and DeepSpeedCPUAdam in scripts/bench_optimizers.py, and no compiler needed);
+        # with optimizer offload DeepSpeed steps it on the CPU partitions once told it may.
+        "zero_force_ds_cpu_optimizer": False,
         "zero_optimization": zero,
         "fp16": {"enabled": p.precision == "fp16"},
         "bf16": {"enabled": p.precision == "bf16"},
@@ -117,10 +127,22 @@ def ds_config_template(p: Profile) -> dict:
     return cfg
 
 
-def bucket_sizes(hidden_size: int) -> dict:
-    """Bucket sizes from the hidden size, as Accelerate's DeepSpeed plugin resolves them."""
+DS_DEFAULT_BUCKET = 500_000_000  # DeepSpeed's own reduce_bucket_size and allgather_bucket_size (elements)
+
+
+def bucket_sizes(hidden_size: int, world: int = 1, trainable: int | None = None) -> dict:
+    """Bucket sizes for ``world`` ranks, in elements.
+
+    Several ranks: ``hidden_size**2``, as Accelerate's DeepSpeed plugin resolves "auto": buckets small enough
+    that the reduction of one overlaps the backward of the next layers. One rank has nothing to overlap:
+    every bucket is only a fixed cost (hooks, a flatten, a reduce call, a copy into the partition), dozens
+    per step for a small model at hidden**2 (4096 elements at hidden 64). There the bucket holds all
+    ``trainable`` gradients at once, up to DeepSpeed's default of 5e8 -- a buffer larger than every gradient
+    would only cost memory (ZeRO-2 allocates two of them). The memory plan counts the buffers, and the
+    planner shrinks them when the run would not fit otherwise (:func:`launcher.planner.plan`)."""
     h2 = hidden_size * hidden_size
-    return {"reduce_bucket_size": h2, "allgather_bucket_size": h2,
+    big = max(h2, min(DS_DEFAULT_BUCKET, int(trainable))) if world == 1 and trainable else h2
+    return {"reduce_bucket_size": big, "allgather_bucket_size": big,
             "stage3_prefetch_bucket_size": int(0.9 * h2), "stage3_param_persistence_threshold": 10 * hidden_size}
 
 
@@ -199,15 +221,18 @@ def fill_auto(template: dict, v: RunValues, source: str = "DeepSpeed config") ->
            lambda g: f"train.global_batch_size={g}")
     settle(cfg, "gradient_clipping", "gradient_clipping", v.grad_clip, "train.grad_clip",
            lambda g: f"train.grad_clip={g}")
-    opt = cfg.setdefault("optimizer", {"type": "AdamW"})  # none given: vramfit's AdamW from train.*
-    params = opt.setdefault("params", {})
-    settle(params, "lr", "optimizer.params.lr", v.lr, "train.lr", lambda g: f"train.lr={g}",
-           compare=v.peak_lr if v.peak_lr is not None else v.lr)  # explicit: the peak; written: the first step's
-    settle(params, "betas", "optimizer.params.betas", list(v.betas), "[train.beta1, train.beta2]",
-           lambda g: f"train.beta1={g[0]} train.beta2={g[1]}" if isinstance(g, list) and len(g) == 2 else "[B1, B2]")
-    settle(params, "eps", "optimizer.params.eps", v.eps, "train.eps", lambda g: f"train.eps={g}")
-    settle(params, "weight_decay", "optimizer.params.weight_decay", v.weight_decay, "train.weight_decay",
-           lambda g: f"train.weight_decay={g}")
+    opt = cfg.get("optimizer")
+    if opt is None:  # none given: vramfit's AdamW from train.*, torch's fused one as a client optimizer
+        cfg.setdefault("zero_force_ds_cpu_optimizer", False)  # DeepSpeed refuses it with offload otherwise
+    else:
+        params = opt.setdefault("params", {})
+        settle(params, "lr", "optimizer.params.lr", v.lr, "train.lr", lambda g: f"train.lr={g}",
+               compare=v.peak_lr if v.peak_lr is not None else v.lr)  # explicit: the peak; written: the first step's
+        settle(params, "betas", "optimizer.params.betas", list(v.betas), "[train.beta1, train.beta2]",
+               lambda g: f"train.beta1={g[0]} train.beta2={g[1]}" if isinstance(g, list) and len(g) == 2 else "[B1, B2]")
+        settle(params, "eps", "optimizer.params.eps", v.eps, "train.eps", lambda g: f"train.eps={g}")
+        settle(params, "weight_decay", "optimizer.params.weight_decay", v.weight_decay, "train.weight_decay",
+               lambda g: f"train.weight_decay={g}")
     for name in ("fp16", "bf16"):
         on = v.precision == name
         if on or name in cfg:
@@ -235,10 +260,20 @@ def fill_auto(template: dict, v: RunValues, source: str = "DeepSpeed config") ->
 
 def resolve_ds_config(p: Profile, *, micro_batch: int, accumulation: int, world: int, grad_clip: float, lr: float,
                       betas: tuple[float, float], eps: float, weight_decay: float, hidden_size: int,
-                      pin_memory: bool, loss_scale: dict | None = None) -> dict:
-    """Fill every ``"auto"`` of the profile's config. Raises if one would survive."""
+                      pin_memory: bool, loss_scale: dict | None = None, trainable: int | None = None) -> dict:
+    """Fill every ``"auto"`` of the profile's config. Raises if one would survive. Bucket sizes: the
+    profile's own (the planner's choice) or :func:`bucket_sizes` for ``world`` ranks and ``trainable``
+    parameters."""
     scaling = dict(LOSS_SCALE, **(loss_scale or {}))
     template = ds_config_template(p)
+    zero = template["zero_optimization"]
+    buckets = bucket_sizes(hidden_size, world, trainable)
+    if p.reduce_bucket_size:
+        buckets.update(reduce_bucket_size=p.reduce_bucket_size, allgather_bucket_size=p.reduce_bucket_size)
+    if p.prefetch_bucket_size:
+        buckets["stage3_prefetch_bucket_size"] = p.prefetch_bucket_size
+    for key in [k for k, v in zero.items() if v == AUTO and k in buckets]:
+        zero[key] = buckets[key]
     if p.precision == "fp16":  # the catalogue's fp16 numbers are vramfit's loss_scale.* settings
         template["fp16"].update({ds: scaling[ours] for ds, ours in _FP16_SCALING})
     v = RunValues(p.precision, micro_batch, accumulation, world, grad_clip, lr, tuple(betas), eps, weight_decay,

@@ -46,7 +46,8 @@ class RunSpec:
 
     def at(self, rung: Rung) -> RunSpec:
         """The same run at another rung of the OOM ladder (or a resumed run's rung)."""
-        p = self.profile if rung.profile == self.profile.name else PROFILES[rung.profile]
+        p = self.profile if rung.profile == self.profile.name else _with_buckets(
+            PROFILES[rung.profile], self.plan.get(rung.profile) if self.plan is not None else None)
         return replace(self, profile=p, precision=p.precision, micro_batch=rung.micro_batch,
                        accumulation=rung.accumulation, checkpointing=rung.checkpointing,
                        checkpoint_every=rung.checkpoint_every)
@@ -130,6 +131,7 @@ def resolve(cfg: Config, hw: Hardware, world: int = 1, local_rank: int = 0, mach
         ladder = availability.assess(replace(cfg, profile=AUTO, precision=chosen.precision), hw,
                                      local_rank).usable(allow_offload=True)
     row = plan.get(chosen.name) if plan is not None else None
+    chosen = _with_buckets(chosen, row)
     if row is not None and row.micro_batch == micro:  # the setting the planner chose (auto checkpointing included)
         ckpt, every = row.checkpointing, row.checkpoint_every
     else:
@@ -139,3 +141,9 @@ def resolve(cfg: Config, hw: Hardware, world: int = 1, local_rank: int = 0, mach
                        + (f" (every {every} layers)" if ckpt and every > 1 else "") + " from the planner")
     return RunSpec(avail.device, avail.precision, chosen, micro, accumulation, world, ckpt, every if ckpt else 1,
                    tuple(reasons), plan, tuple(ladder), user)
+
+
+def _with_buckets(p: Profile, row) -> Profile:
+    """``p`` with the gradient bucket its plan row chose (DeepSpeed on one rank), so the engine gets it."""
+    size = getattr(row, "reduce_bucket_size", None)
+    return replace(p, reduce_bucket_size=size) if size and p.is_deepspeed and p.reduce_bucket_size is None else p

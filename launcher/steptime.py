@@ -115,10 +115,12 @@ def optimizer_kind(p: Profile, device: str, optimizer: str = "adamw") -> str:
     ``torch_fused_adamw@cpu``, ``deepspeed_cpu_adam@cpu``, ``deepspeed_fused_adam@cuda``."""
     if optimizer == "adamw8bit":
         return f"bnb_adamw8bit@{device}"
-    if p.engine == "deepspeed":
+    if p.engine == "deepspeed" and p.ds_optimizer:  # a user's JSON with an optimizer section: DeepSpeed's ops
         if p.offload_optimizer:
             return "deepspeed_cpu_adam@cpu"
         return f"deepspeed_fused_adam@{device}"
+    if p.engine == "deepspeed":  # torch's fused AdamW as DeepSpeed's client optimizer, on the offloaded partitions
+        return "torch_fused_adamw@cpu" if p.offload_optimizer else f"torch_fused_adamw@{device}"
     if p.engine == "fsdp":  # the CPU offload policy keeps shards, grads and moments on the CPU
         return "torch_fused_adamw@cpu"
     return f"torch_fused_adamw@{device}"

@@ -16,11 +16,11 @@ from dataclasses import asdict, dataclass, field, replace
 import psutil
 import torch
 
-from launcher import calibrate, dist, engines, generate, log, lora, plots, progress
+from launcher import calibrate, dist, engines, generate, log, lora, plots, progress, threads
 from launcher import checkpoint as ckpt
 from launcher.config import Config, ConfigError, to_yaml
 from launcher.data import load_data, micro_batches
-from launcher.engines.base import StepResult
+from launcher.engines.base import StepResult, host_values
 from launcher.engines.deepspeed import restore_torch_functions
 from launcher.faults import Hooks, StopRequested, diagnose
 from launcher.hardware import Hardware, enforce_gpu_budget, probe
@@ -59,6 +59,14 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None) -> dict:
     log.setup(cfg.log.level, ranks.rank)
     dist.init(torch.device("cuda" if torch.cuda.is_available() and cfg.device != "cpu" else "cpu"))
     hw = hw or probe()
+    # intra-op threads: the cores other processes leave free (launcher.threads); several ranks on one machine
+    # share its cores and start together (each would count the others as neighbours), so they split them
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world))
+    th = threads.decide(cfg.train.threads, max(1, threads.cores() // max(1, local)),
+                        busy=0.0 if local > 1 else None)
+    threads.apply(th)
+    logger.info(f"threads: {th.intra_op} intra-op ({th.reason}); OMP_WAIT_POLICY {th.wait_policy}; data workers "
+                f"{th.data_workers} (batches are cut from tokens in memory in the loop's thread)")
     # ---- decide everything before loading anything
     hf_config = model_config(cfg)
     lora.check(cfg, hf_config)  # bitsandbytes present when needed; LoRA target names exist (on a meta model)
@@ -159,17 +167,22 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None) -> dict:
                 losses = [engine.forward_backward(train_data.batch(rows), spec.accumulation)
                           for rows in micro_batches(st.step, cfg.train.global_batch_size, spec.micro_batch,
                                                     ranks.rank, ranks.world, len(train_data), cfg.seed)]
-                loss = ranks.mean(float(torch.stack(losses).mean()))
                 if hooks.after_backward:
                     hooks.after_backward(st.step, engine)
-                if not math.isfinite(loss) and spec.precision != "fp16":
+                mon.mark("step")
+                # The engine skips an update whose gradients hold inf/nan by itself (a nan loss makes them so),
+                # so the loss is read after the update is queued, with the step's other numbers, in one host
+                # transfer: a GPU waits for the host once per step, not at the loss and again at the norm.
+                result: StepResult = engine.step(lr)
+                loss, skipped, scale, norm = host_values([torch.stack(losses).mean(), result.skipped,
+                                                          result.loss_scale, result.grad_norm])
+                result = StepResult(skipped=bool(skipped), loss_scale=scale, grad_norm=norm)
+                loss = ranks.mean(loss)
+                last_scale = result.loss_scale
+                if not math.isfinite(loss) and spec.precision != "fp16":  # its update was not applied
                     status, diagnosis = "failed", diagnose(engine, train_data, spec.rung, st.step, cfg, lr,
                                                            f"loss became {loss} at step {st.step + 1}")
-                    engine.reset_micro_batch(spec.micro_batch, spec.accumulation)  # never apply that update
                     break
-                mon.mark("step")
-                result: StepResult = engine.step(lr)
-                last_scale = result.loss_scale
             except torch.OutOfMemoryError:  # anything else propagates untouched
                 # One process only: with several ranks the others wait in a collective of this step and
                 # cannot take part in a move (portable_state and a new engine are collectives too).
@@ -267,7 +280,7 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None) -> dict:
         "world_size": ranks.world, "predicted_step_s": spec.predicted("step_s"),
         "global_batch_size": cfg.train.global_batch_size, "seq_len": seq_len, "elapsed_s": elapsed,
         "checkpoint": last_ckpt, "reasons": list(spec.reasons), "diagnosis": diagnosis, "run_dir": rd.path,
-        "sample": None, "sample_error": None, **mon.summary(),
+        "sample": None, "sample_error": None, "threads": th.to_dict(), **mon.summary(),
     }
     rd.write_json("summary.json", summary)
     if ranks.is_main and mon.csv_path and os.path.exists(mon.csv_path):

@@ -396,7 +396,8 @@ def profile_of(raw: dict, precision: str) -> Profile:
     return Profile(name, "deepspeed", precision, zero_stage=int(stage), offload_optimizer=opt, offload_param=par,
                    speed_rank=rank, gpu_holds="as the JSON's zero_optimization says",
                    cpu_holds="offloaded states" if opt or par else "nothing",
-                   reduce_bucket_size=reduce, prefetch_bucket_size=prefetch)
+                   reduce_bucket_size=reduce, prefetch_bucket_size=prefetch,
+                   ds_optimizer=isinstance(raw.get("optimizer"), dict))
 
 
 def load(cfg: Config, precision: str) -> UserDsConfig:

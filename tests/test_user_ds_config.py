@@ -46,13 +46,16 @@ def ds_config_of(summary) -> dict:
 
 
 def check_parity(custom_rows, catalogue_rows, name):
-    """Same engine, optimizer (DeepSpeedCPUAdam), precision, data and schedule; the JSON differs from the
-    catalogue's template only in what does not touch the arithmetic on one rank (bucket sizes, which only
-    group the gradient copies; pin_memory, which changes nothing on the CPU accelerator; steps_per_print),
-    so the curves are expected to be identical. 1e-6 relative leaves room for nothing but the last bits of
-    a float32 loss (measured: 0 max, 0 mean over 4 steps, for both examples)."""
+    """Same engine, precision, data and schedule; the JSON differs from the catalogue's template in what does not
+    touch the arithmetic on one rank (bucket sizes, which only group the gradient copies; pin_memory, which
+    changes nothing on the CPU accelerator; steps_per_print) and in the optimizer: the examples' "optimizer"
+    section makes DeepSpeed build DeepSpeedCPUAdam, the catalogue passes torch's fused AdamW. Both do AdamW's
+    arithmetic in fp32 on the fp32 master weights, in another order, and the bf16 weights round the last bits
+    of that apart: measured 3.3e-6 max, 8.2e-7 mean relative over 4 steps (zero2 example; the same optimizer on
+    both sides gave 0). 2e-5 / 5e-6 leave room for that and catch any real difference (a wrong lr or betas
+    moves the loss by 1e-3 and more at step 2)."""
     mx, mean = compare(losses(custom_rows), losses(catalogue_rows), name)
-    assert mx < 1e-6 and mean < 1e-6, (mx, mean)
+    assert mx < 2e-5 and mean < 5e-6, (mx, mean)
 
 
 def test_hf_zero2_example_trains_like_zero2_bf16_offload_opt(tmp_path):
@@ -256,8 +259,9 @@ def test_explicit_values_that_agree_are_accepted(tmp_path):
 
 
 def test_plan_of_stage_1_and_of_explicit_buckets(tmp_path):
-    """Stage 1 on one rank is planned with the stage-2 arithmetic (the same bytes as zero2-bf16 when the
-    buckets are "auto"); explicit bucket sizes are what the plan counts (two reduce buffers, overlap_comm)."""
+    """Stage 1 on one rank is planned with the stage-2 arithmetic (the same bytes as zero2-bf16 but for the
+    buckets: "auto" in a user's JSON is Accelerate's hidden**2, the catalogue's one-rank bucket holds every
+    gradient); explicit bucket sizes are what the plan counts (two reduce buffers, overlap_comm)."""
     from launcher import planner
     from launcher.hardware import probe
 
@@ -268,9 +272,13 @@ def test_plan_of_stage_1_and_of_explicit_buckets(tmp_path):
     r1 = planner.plan(load_config(None, [*CLI, f"deepspeed_config={write(tmp_path, stage1, 'a.json')}"]), hw).profiles
     r2 = planner.plan(load_config(None, [*CLI, f"deepspeed_config={write(tmp_path, buckets, 'b.json')}"]), hw).profiles
     assert [r.profile for r in r1 + r2] == ["custom-zero1-bf16", "custom-zero2-bf16"]
-    assert r1[0].parts == cat.parts
     hidden = planner.plan(load_config(None, CLI), hw).model["hidden_size"]
-    assert r2[0].parts["cpu"]["buffers"] - cat.parts["cpu"]["buffers"] == 2 * (2e8 - hidden**2) * 2  # bf16
+    assert cat.reduce_bucket_size > hidden**2  # one rank: the catalogue's bucket grew into the budget
+    moves = ("buffers", "allocator_slack")  # the slack is a fraction of the tensors, buckets included
+    same = {k: v for k, v in cat.parts["cpu"].items() if k not in moves}
+    assert {k: v for k, v in r1[0].parts["cpu"].items() if k not in moves} == same
+    assert cat.parts["cpu"]["buffers"] - r1[0].parts["cpu"]["buffers"] == 2 * (cat.reduce_bucket_size - hidden**2) * 2
+    assert r2[0].parts["cpu"]["buffers"] - r1[0].parts["cpu"]["buffers"] == 2 * (2e8 - hidden**2) * 2  # bf16
 
 
 def test_known_keys_come_from_deepspeed():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from launcher import user_ds_config
 from launcher.engines.amp import AmpEngine
+from launcher.engines.base import make_optimizer
 from launcher.engines.deepspeed import DeepSpeedEngine
 from launcher.engines.fsdp import FsdpEngine
 from launcher.hardware import Hardware, pin_memory_ok
@@ -38,8 +39,12 @@ def build(cfg, spec, model, hw: Hardware, hidden_size: int, lr: float):
             ds_config = resolve_ds_config(spec.profile, micro_batch=spec.micro_batch, accumulation=spec.accumulation,
                                           world=spec.world, grad_clip=t.grad_clip, lr=lr, betas=betas, eps=t.eps,
                                           weight_decay=t.weight_decay, hidden_size=hidden_size, pin_memory=pin,
-                                          loss_scale=vars(cfg.loss_scale))
-        return DeepSpeedEngine(model, ds_config=ds_config, param_groups=groups, device=spec.device), ds_config
+                                          loss_scale=vars(cfg.loss_scale), trainable=n_train)
+        # No optimizer section: torch's fused AdamW as DeepSpeed's client optimizer (no op to compile)
+        client = None if "optimizer" in ds_config else make_optimizer(groups, lr=lr, betas=betas, eps=t.eps,
+                                                                      device=spec.device)
+        return DeepSpeedEngine(model, ds_config=ds_config, param_groups=groups, device=spec.device,
+                               optimizer=client), ds_config
     if spec.engine == "fsdp":
         pin, why = pin_memory_ok(hw, 8 * n_train)  # the fp32 weight and gradient shards FSDP keeps on the CPU
         logger.info(f"pin_memory {'on' if pin else 'off'}: {why}")

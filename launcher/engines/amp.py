@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from launcher.engines.base import StepResult, autocast_dtype, batch_to, make_optimizer, make_scaler
+from launcher.engines.base import StepResult, autocast_dtype, batch_to, make_optimizer, make_scaler, skip_nonfinite
 from launcher.models import save_final
 
 
@@ -58,7 +58,19 @@ class AmpEngine:
             g["lr"] = lr
         self.scaler.unscale_(self.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip if self.grad_clip > 0 else float("inf"))
-        norm = float(norm)
+        if not self.scaler.is_enabled():  # bf16/fp32: inf/nan gradients skip the update, on the device
+            bad = skip_nonfinite(self.optimizer, norm)
+            if bad is None:  # an optimizer without found_inf (8-bit AdamW): read the norm here
+                bad = not math.isfinite(float(norm))
+                if not bad:
+                    self.optimizer.step()
+            else:
+                self.optimizer.step()
+                self.optimizer.found_inf = None
+            self.optimizer.zero_grad(set_to_none=True)
+            self._micro = 0
+            return StepResult(skipped=bad, loss_scale=None, grad_norm=norm.detach())
+        norm = float(norm)  # fp16: the scaler reads its overflow flag and scale on the host anyway
         scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
         if not math.isfinite(norm):
             self.nonfinite = [n for n, p in self.model.named_parameters()

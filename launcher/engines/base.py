@@ -18,9 +18,40 @@ from launcher.precision import autocast_dtype  # noqa: F401 (engines take it fro
 
 @dataclass
 class StepResult:
-    skipped: bool  # fp16 overflow: the scaler skipped the update
-    loss_scale: float | None  # None when no loss scaling (bf16, fp32)
-    grad_norm: float | None  # global norm before clipping (None where the engine cannot tell)
+    """What an optimizer step did. An engine may leave a number on the device (a 0-dim tensor): the loop reads
+    a step's numbers together, in one host transfer (:func:`host_values`), after the update is queued."""
+
+    skipped: bool | torch.Tensor  # the update was not applied: fp16 overflow, or inf/nan gradients
+    loss_scale: float | torch.Tensor | None  # None when no loss scaling (bf16, fp32)
+    grad_norm: float | torch.Tensor | None  # global norm before clipping (None where the engine cannot tell)
+
+
+def host_values(values: list) -> list:
+    """``values`` with every tensor read to a Python number, in one transfer per device (the tensors of a device
+    are stacked and read with one ``tolist``): each read of a GPU tensor waits for the queue to drain, so a
+    step that reads its loss, norm and flags one by one waits three times."""
+    out = list(values)
+    by_device: dict = {}
+    for i, v in enumerate(values):
+        if torch.is_tensor(v):
+            by_device.setdefault(v.device, []).append(i)
+    for idxs in by_device.values():
+        read = torch.stack([values[i].detach().reshape(()).to(torch.float64) for i in idxs]).tolist()
+        for i, x in zip(idxs, read):
+            out[i] = bool(x) if values[i].dtype == torch.bool else x
+    return out
+
+
+def skip_nonfinite(optimizer, norm: torch.Tensor) -> torch.Tensor | None:
+    """Make ``optimizer``'s next step skip the update on the device when ``norm`` is inf/nan, without reading it
+    on the host: torch's fused AdamW takes a ``found_inf`` tensor (as GradScaler uses it) and leaves weights,
+    moments and step count alone where it is 1. Returns the flag (a bool tensor), or None for an optimizer
+    that cannot (the caller reads the norm and skips the step itself)."""
+    if not getattr(optimizer, "defaults", {}).get("fused"):
+        return None
+    bad = ~torch.isfinite(norm.detach()).reshape(())
+    optimizer.found_inf = bad.to(torch.float32)
+    return bad
 
 
 class Engine(Protocol):

@@ -13,7 +13,7 @@ import torch
 
 from launcher import dist
 from launcher.engines.base import StepResult, batch_to
-from launcher.hardware import clear_stale_op_locks
+from launcher.hardware import clear_stale_op_locks, op_state, use_env_ninja
 from launcher.log import logger
 from launcher.models import save_final
 
@@ -30,6 +30,17 @@ def restore_torch_functions() -> None:
         torch.nn.functional.linear = original
 
 
+def ops_loaded(ds_config: dict, device: torch.device) -> list[str]:
+    """DeepSpeed's JIT ops an engine of ``ds_config`` loads: the shared-memory comm op on DeepSpeed's CPU
+    accelerator (with the process group), and the Adam op the config's ``optimizer`` section makes DeepSpeed
+    build (none with a client optimizer)."""
+    ops = ["deepspeed_shm_comm"] if device.type == "cpu" else []
+    if "optimizer" in ds_config:
+        offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}) or {}
+        ops.append("cpu_adam" if offload.get("device") in ("cpu", "nvme") else "fused_adam")
+    return ops
+
+
 def optimizer_name(opt) -> str:
     inner = getattr(opt, "optimizer", opt)
     return type(inner).__name__
@@ -39,20 +50,31 @@ class DeepSpeedEngine:
     name = "deepspeed"
     resets_in_place = False  # ZeRO keeps a half-accumulated step in its own buffers: the OOM ladder rebuilds
 
-    def __init__(self, model: torch.nn.Module, *, ds_config: dict, param_groups: list[dict], device: torch.device):
+    def __init__(self, model: torch.nn.Module, *, ds_config: dict, param_groups: list[dict], device: torch.device,
+                 optimizer=None):
+        """``optimizer``: (a torch optimizer over ``param_groups``, its name), DeepSpeed's client optimizer
+        (the catalogue's profiles: torch's fused AdamW, no compiler needed); None: DeepSpeed builds the one
+        the config's ``optimizer`` section names (its FusedAdam or DeepSpeedCPUAdam ops)."""
         import deepspeed
 
         dist.ensure_env()
+        ninja = use_env_ninja()  # the same ninja at every entry point, so an op built once is reused
         if dist.current().local_rank == 0:
             for path in clear_stale_op_locks():
                 logger.info(f"removed a stale DeepSpeed op build lock left by a killed run: {path}")
+            for name in ops_loaded(ds_config, device):
+                st = op_state(name, ninja)
+                if st.compiles:  # a JIT build is never silent: minutes on a small machine
+                    logger.info(st.notice())
         if not torch.distributed.is_initialized():
             deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
         self.ds_config = ds_config
         self.device = device
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups,
-                                                                 config=ds_config)
-        self.optimizer_name = optimizer_name(self.optimizer)
+        client, client_name = optimizer if optimizer is not None else (None, None)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, model_parameters=None if client is not None else param_groups, optimizer=client,
+            config=ds_config)
+        self.optimizer_name = client_name or optimizer_name(self.optimizer)
         self.fp16 = bool(ds_config.get("fp16", {}).get("enabled"))
         self._micro = 0
         scaler = getattr(self.optimizer, "loss_scaler", None)
@@ -74,9 +96,12 @@ class DeepSpeedEngine:
             g["lr"] = lr
         self.engine.step()
         self._micro = 0
+        # DeepSpeed skips an update with inf/nan gradients itself (its overflow check, bf16 included), reading
+        # the norm on the host inside step(); the norm may stay a tensor for the loop's one read
         norm = self.engine.get_global_grad_norm()
-        norm = float(norm) if norm is not None else None
-        scale = float(self.optimizer.cur_scale) if self.fp16 and hasattr(self.optimizer, "cur_scale") else None
+        norm = norm.detach() if torch.is_tensor(norm) else float(norm) if norm is not None else None
+        scale = self.optimizer.cur_scale if self.fp16 and hasattr(self.optimizer, "cur_scale") else None
+        scale = scale.detach() if torch.is_tensor(scale) else float(scale) if scale is not None else None
         return StepResult(skipped=not self.engine.was_step_applied(), loss_scale=scale, grad_norm=norm)
 
     def reset_micro_batch(self, micro_batch: int, accumulation: int) -> None:
@@ -174,7 +199,10 @@ def _materialize_adam_state(zero_optimizer) -> None:
     tensors = list(flat) if flat is not None else [p for g in inner.param_groups for p in g["params"]]
     for p in tensors:
         if len(inner.state.get(p, {})) == 0:
-            inner.state[p] = {"step": 0, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+            # torch's AdamW counts steps in a tensor (on the parameter's device when fused); DeepSpeed's in an int
+            step = (torch.zeros((), dtype=torch.float32, device=p.device if inner.defaults.get("fused") else "cpu")
+                    if isinstance(inner, torch.optim.AdamW) else 0)
+            inner.state[p] = {"step": step, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
 
 def _link_optimizer_state(zero_optimizer) -> None:
@@ -197,4 +225,4 @@ def _set_adam_step(optimizer, step: int) -> None:
             g["step"] = step
     for st in inner.state.values():
         if "step" in st:
-            st["step"] = torch.tensor(float(step)) if torch.is_tensor(st["step"]) else step
+            st["step"] = torch.full_like(st["step"], float(step)) if torch.is_tensor(st["step"]) else step

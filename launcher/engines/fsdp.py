@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from launcher import dist as ranks
-from launcher.engines.base import StepResult, autocast_dtype, batch_to, make_optimizer, make_scaler
+from launcher.engines.base import StepResult, autocast_dtype, batch_to, make_optimizer, make_scaler, skip_nonfinite
 from launcher.memory.shape import base_model, decoder_layers
 from launcher.models import param_groups, save_final
 
@@ -121,7 +121,7 @@ class FsdpEngine:
         self.scaler.scale(loss / accumulation).backward()
         return loss.detach().float()
 
-    def _clip(self) -> float:
+    def _clip(self) -> torch.Tensor:
         """Global gradient norm over every rank's shards, then clip to ``grad_clip`` (as torch's clip_grad_norm_)."""
         grads = [_local(p.grad) for p in self.params if p.grad is not None]
         sq = (torch.stack([n.float() for n in torch._foreach_norm(grads, 2.0)]).pow(2).sum() if grads
@@ -132,13 +132,25 @@ class FsdpEngine:
         if self.grad_clip > 0 and grads:
             coef = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
             torch._foreach_mul_(grads, coef)
-        return float(norm)
+        return norm
 
     def step(self, lr: float) -> StepResult:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         self.scaler.unscale_(self.optimizer)  # inf/nan check per shard; found_inf is all-reduced by DTensor
-        norm = self._clip()
+        norm = self._clip()  # the same on every rank (all-reduced)
+        if not self.scaler.is_enabled():  # bf16/fp32: inf/nan gradients skip the update, on the device
+            bad = skip_nonfinite(self.optimizer, norm)
+            if bad is None:
+                bad = not math.isfinite(float(norm))
+                if not bad:
+                    self.optimizer.step()
+            else:
+                self.optimizer.step()
+                self.optimizer.found_inf = None
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepResult(skipped=bad, loss_scale=None, grad_norm=norm.detach())
+        norm = float(norm)  # fp16: the scaler reads its overflow flag and scale on the host anyway
         scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
         if not math.isfinite(norm):
             self.nonfinite = [n for n, p in self.model.named_parameters()

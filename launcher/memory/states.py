@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from launcher.memory.shape import ParamCounts
 from launcher.precision import BYTES
-from launcher.profiles import Profile, bucket_sizes
+from launcher.profiles import Profile, bucket_sizes, in_catalogue
 from launcher.units import GiB, MiB
 
 CUDA_CONTEXT_BYTES = 512 * MiB
@@ -78,7 +78,9 @@ def model_states(p: Profile, run: RunShape, accumulation: int) -> dict:
     opt = OPTIMIZER_BYTES_PER_PARAM[run.optimizer]
     largest_trainable = c.largest_adapter if lora else c.largest_param
     h = run.hidden
-    rb = p.reduce_bucket_size or bucket_sizes(h)["reduce_bucket_size"]
+    # buckets as the engine resolves them: the planner's choice, else the rule for this many ranks (a user's
+    # deepspeed_config with "auto" keeps Accelerate's hidden**2, as the HF Trainer would)
+    rb = p.reduce_bucket_size or bucket_sizes(h, run.world, trainable if in_catalogue(p) else None)["reduce_bucket_size"]
     fb: dict = {}
     step: dict = {}
     cpu: dict = {}
