@@ -68,16 +68,18 @@ def results_stdout():
 
 
 def cmd_doctor(args) -> int:
-    from launcher import calibrate
+    from launcher import calibrate, threads
     from launcher.hardware import format_report, probe
 
     out = args.stdout
     hw = probe(with_cpu_adam=True)
+    hw.threads = threads.current()
     if args.build_ops:
         from launcher.hardware import build_ops
 
         print(build_ops(), file=sys.stderr)
         hw = probe(with_cpu_adam=True)
+        hw.threads = threads.current()
     if args.calibrate:
         calibrate.calibration(force=True)  # measured now (under a minute) and cached
     cal = calibrate.read()

@@ -59,6 +59,9 @@ class ModelConfig:
     quantize: str = _f("none", "Base weights in 4-bit NF4 (QLoRA) or 8-bit; needs bitsandbytes and LoRA.",
                        choices=("none", "4bit", "8bit"))
     trust_remote_code: bool = _f(False, "Allow custom modelling code from a model directory or hub repo.")
+    compile: bool = _f(False, "torch.compile each decoder layer (AMP and FSDP paths); the first steps pay the "
+                       "compilation.")
+    liger: bool = _f(False, "Liger's Triton kernels for RMSNorm, RoPE and SwiGLU (CUDA only; needs liger-kernel).")
 
 
 @dataclass

@@ -221,6 +221,11 @@ def format_report(hw: Hardware) -> str:
                  f"transformers {hw.transformers}, peft {hw.peft}, bitsandbytes {hw.bitsandbytes or 'not installed'}")
     lines.append(f"deepspeed: {hw.deepspeed or 'not usable: DeepSpeed ' + str(hw.deepspeed_error)}; "
                  f"CPU Adam op: {hw.cpu_adam}")
+    if hw.threads:
+        t = hw.threads
+        lines.append(f"threads: {t['intra_op']} intra-op ({t['parallel_backend']}), {t['interop']} inter-op, {t['cores']} "
+                     f"cores; OMP_WAIT_POLICY {t['wait_policy']}; a run sets its own with train.threads (auto: the "
+                     "cores other processes leave free)")
     if hw.compilers:
         lines.append(f"compilers: g++ {hw.compilers.get('cxx') or 'not found (CPU ops cannot be JIT-built)'}; nvcc "
                      f"{hw.compilers.get('nvcc') or 'not found (CUDA ops cannot be JIT-built; vramfit needs none)'}")

@@ -14,10 +14,14 @@ processes keep busy (their CPU time over a quarter of a second before the run st
 left out) and takes the rest, at least one: a whole core to itself beats a share of two. A number sets the
 threads outright. The choice, and why, is logged and kept in ``summary.json`` (``threads``).
 
+Measured by ``scripts/bench_threads.py`` (demo model, 2-core EPYC, load average 1.7-2.4 from other work
+besides the test's own neighbour): beside one busy-loop process, ``auto`` (1 thread there, 2 alone) ran a step
+1.78x (AMP) and 1.68x (ZeRO-2) as long as the best setting alone; 2 threads 3.33x and 3.50x.
+
 OpenMP's wait policy (``OMP_WAIT_POLICY``) stays at the runtime's default (threads spin a little after a
-parallel region before sleeping): ``scripts/bench_threads.py`` measured PASSIVE against it, with and without a
-busy neighbour (docs/loop-speed.md). It can only be set before the OpenMP runtime starts, so it is reported
-here, not changed.
+parallel region before sleeping): PASSIVE (sleep at once) helped 2 threads beside the neighbour (1.90x / 1.84x)
+but cost 30-45% alone (173 against 133 ms, 182 against 140 ms), where fewer threads cost nothing. It can
+only be set before the OpenMP runtime starts, so it is reported here, not changed.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, replace
 import psutil
 import torch
 
-from launcher import calibrate, dist, engines, generate, log, lora, plots, progress, threads
+from launcher import calibrate, dist, engines, generate, kernels, log, lora, plots, progress, threads
 from launcher import checkpoint as ckpt
 from launcher.config import Config, ConfigError, to_yaml
 from launcher.data import load_data, micro_batches
@@ -75,6 +75,7 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None) -> dict:
     spec = resolve(cfg, hw, ranks.world, ranks.local_rank, machine=calibrate.calibration(measure=False))
     for r in spec.reasons:
         logger.info(r)
+    kernels.check(cfg, spec.engine, spec.device.type)  # model.compile / model.liger where they cannot run
     seq_len = cfg.data.seq_len
     max_pos = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
     if max_pos and seq_len > max_pos:
@@ -347,15 +348,25 @@ def make_engine(cfg: Config, spec: RunSpec, hw: Hardware, hf_config, rd: RunDir,
             for name, p in model.named_parameters():
                 if name in state:
                     p.copy_(state[name]["param"])
+    if cfg.model.liger:  # checked before the run (kernels.check): a CUDA device and liger-kernel are there
+        kernels.apply_liger(model)
+    if cfg.model.compile and spec.engine != "deepspeed":
+        logger.info(f"model.compile: {kernels.compile_layers(model)} decoder layers compiled in place "
+                    "(compilation happens in the first steps)")
     engine, ds_config = engines.build(cfg, spec, model, hw, hf_config.hidden_size, lr_at(0, cfg.train))
     if ds_config is not None:
         rd.write_json("ds_config.json", ds_config)
     return engine, model
 
 
+_PROCESS: list = []  # this process's psutil handle, made once (making one reads /proc: tens of microseconds a step)
+
+
 def memory_now(device: torch.device) -> dict:
+    if not _PROCESS or _PROCESS[0].pid != os.getpid():
+        _PROCESS[:] = [psutil.Process()]
     out = {"gpu_allocated_bytes": None, "gpu_reserved_bytes": None,
-           "cpu_rss_bytes": psutil.Process().memory_info().rss}
+           "cpu_rss_bytes": _PROCESS[0].memory_info().rss}
     if device.type == "cuda":
         out["gpu_allocated_bytes"] = torch.cuda.memory_allocated(device)
         out["gpu_reserved_bytes"] = torch.cuda.memory_reserved(device)
