@@ -197,7 +197,10 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None) -> dict:
                 else:
                     engine.reset_micro_batch(move.to.micro_batch, move.to.accumulation)
                     if move.kind == "checkpointing":
-                        enable_checkpointing(engine.module(), move.to.checkpoint_every)
+                        enable_checkpointing(engine.module(), move.to.checkpoint_every, spec.offload_activations,
+                                             engine.levers is not None and engine.levers.pin_memory)
+                        if engine.levers is not None:  # activation offload now rides on the checkpointed layers
+                            engine.levers = replace(engine.levers, checkpointing=True)
                     free_memory(device)
                 spec = new_spec
                 continue
@@ -326,7 +329,8 @@ def make_engine(cfg: Config, spec: RunSpec, hw: Hardware, hf_config, rd: RunDir,
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, weight_dtype(cfg, spec.engine, spec.precision), hf_config, device=spec.device,
                         precision=spec.precision, checkpointing=spec.checkpointing,
-                        checkpoint_every=spec.checkpoint_every)
+                        checkpoint_every=spec.checkpoint_every, offload_activations=spec.offload_activations,
+                        pin_memory=spec.offload_activations and engines.offload_pinning(spec, hw)[0])
     if state is not None:
         with torch.no_grad():
             for name, p in model.named_parameters():

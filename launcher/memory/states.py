@@ -28,7 +28,9 @@ ALLOCATOR_SLACK = 0.10
 CPU_RUNTIME_BYTES = {"cuda": 2 * GiB, "cpu": GiB // 2}
 # NF4 with double quantization (8-bit absmax per 64 weights, fp32 per 256 blocks); int8 + fp32 row scale
 QUANT_BYTES_PER_PARAM = {"4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0 + 4 / 4096}
-OPTIMIZER_BYTES_PER_PARAM = {"adamw": 8, "adamw8bit": 2}  # m and v
+# m and v; paged 8-bit AdamW keeps the same bytes, in CUDA unified memory: planned on the GPU (where they live
+# while there is room), so paging is a safety net for spikes, not a saving the plan counts on
+OPTIMIZER_BYTES_PER_PARAM = {"adamw": 8, "adamw8bit": 2, "paged_adamw8bit": 2}
 AMP_OPTIMIZER_WORKSPACE = 0  # torch AdamW(fused=True) updates in place; foreach would add 4 B/param
 ZERO3_SUB_GROUP = 1_000_000_000  # DeepSpeed sub_group_size default: fp32 gradient buffer size cap
 
@@ -54,6 +56,11 @@ class RunShape:
     optimizer: str
     trust_remote_code: bool
     checkpoint_every: int = 1  # with checkpointing: every k-th decoder layer recomputes
+    chunked_loss: bool = False  # this setting's loss is chunked (launcher.loss)
+    chunked_mode: str = "off"  # loss.chunked: auto | on | off
+    head_problem: str | None = None  # why this model's loss cannot be chunked (None: it can)
+    offload_activations: bool = False  # this setting offloads saved activations (launcher.actoffload)
+    offload_mode: str = "off"  # memory.offload_activations: auto | on | off
 
     @property
     def hidden(self) -> int:
