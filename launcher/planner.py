@@ -472,11 +472,12 @@ def _best_setting(p: Profile, run: RunShape, cfg: Config, asked, gpu_budget: int
     searched: checkpointing costs about a third of a step).
 
     Activation offload (``memory.offload_activations``): ``on`` offloads in every setting; ``auto`` adds one
-    setting after all-layer checkpointing, with the layer inputs offloaded too (the least GPU memory, and
-    copies over PCIe that cost more than checkpointing's recompute), where there is a GPU to offload from."""
+    setting after the one with the most recompute, the same with what it saves offloaded (the least GPU
+    memory, and copies over PCIe that cost more than checkpointing's recompute), where there is a GPU to
+    offload from."""
     options = [(ck, k, run.offload_mode == "on") for ck, k in checkpoint_options(cfg, run.counts.num_layers)]
     if run.offload_mode == AUTO and run.device == "cuda":
-        options.append((True, 1, True))
+        options.append((*options[-1][:2], True))  # the least GPU memory: offload on top of the most recompute
     micros = _micro_batch_candidates(run, asked)
     kw = dict(machine=machine, pinned=pinned, max_steps=cfg.train.max_steps)
 

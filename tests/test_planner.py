@@ -334,7 +334,7 @@ def test_auto_micro_batch_is_the_largest_power_of_two_that_fits():
 
 def test_nothing_fits_gives_suggestions_that_fit():
     base = ["model.name=tiny", "data.seq_len=1024", "train.micro_batch_size=8", "train.global_batch_size=8",
-            "memory.cpu_budget=16", "model.gradient_checkpointing=false"]
+            "memory.cpu_budget=16", "model.gradient_checkpointing=false", "memory.offload_activations=off"]
     hw, amp = fake_hw(capability=(7, 5)), ["amp-fp16"]  # one profile: one trace family, a faster test
     roomy = planner.plan(load_config(None, base), hw, profiles=amp)
     least = min(r.gpu_bytes for r in roomy.profiles if r.available)
