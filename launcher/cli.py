@@ -102,12 +102,12 @@ def cmd_profiles(args) -> int:
 def cmd_plan(args) -> int:
     from launcher import advice, planner, report
     from launcher.config import load_config
-    from launcher.hardware import probe
+    from launcher.hardware import probe, with_nvme
 
     path, overrides = _split_config(args.config)
     with stdout_for_json(args.json) as out:
         cfg = load_config(path, overrides)
-        hw = probe()
+        hw = with_nvme(probe(), cfg.memory.nvme_path)
         world = dist.current().world
         plan = advice.add_suggestions(planner.plan(cfg, hw, world=world), cfg, hw, world=world)
         print(json.dumps(plan.to_json(), indent=2) if args.json else report.format_table(plan), file=out)

@@ -409,6 +409,10 @@ def check(cfg: Config, world: int | None = None) -> list[str]:
             if cfg.engine not in (AUTO, p.engine):
                 problems.append(f"engine: got {cfg.engine!r} with profile={cfg.profile} (a {p.engine} profile); "
                                 f"rule: they must agree; fix: engine=auto or engine={p.engine}")
+            if p.nvme and not cfg.memory.nvme_path:
+                problems.append(f"profile: got {cfg.profile!r} without memory.nvme_path; rule: an NVMe offload profile "
+                                "swaps into a folder on a fast disk; fix: memory.nvme_path=/path/on/nvme, or "
+                                f"profile={cfg.profile.replace('-nvme-opt', '-all').replace('-nvme-all', '-all')}")
             if cfg.precision not in (AUTO, p.precision):
                 problems.append(f"precision: got {cfg.precision!r} with profile={cfg.profile} ({p.precision}); "
                                 f"rule: they must agree; fix: precision=auto or precision={p.precision}")
@@ -426,6 +430,16 @@ def check(cfg: Config, world: int | None = None) -> list[str]:
             problems.append(f"engine: got {cfg.engine!r} with deepspeed_config={cfg.deepspeed_config}; rule: a DeepSpeed "
                             "config runs on the DeepSpeed engine; fix: engine=auto or engine=deepspeed, or "
                             "deepspeed_config=\"\"")
+    nvme = cfg.memory.nvme_path
+    if nvme:
+        where = os.path.expanduser(nvme)
+        if not os.path.isdir(where):
+            problems.append(f"memory.nvme_path: got {nvme!r}, no such folder; rule: an existing folder on a fast local "
+                            f"disk (ZeRO-Infinity swaps optimizer states and parameters into it); fix: mkdir -p {nvme}, "
+                            "or memory.nvme_path=\"\" to leave NVMe offload off")
+        elif not os.access(where, os.W_OK | os.X_OK):
+            problems.append(f"memory.nvme_path: got {nvme!r}, not writable by this user; rule: the swap files are "
+                            f"written there; fix: a folder you can write (chmod u+w {nvme}), or memory.nvme_path=\"\"")
     if cfg.checkpoint.resume not in ("auto", "never") and not os.path.exists(cfg.checkpoint.resume):
         problems.append(f"checkpoint.resume: got {cfg.checkpoint.resume!r}; rule: auto, never, or an existing "
                         "checkpoint directory; fix: checkpoint.resume=auto")

@@ -309,10 +309,16 @@ def _plan_profile(p: Profile, run: RunShape, micro_batch: int, gpu_budget: int, 
         for part, n in cpu_states.items():
             add_part(cpu_parts, part, n)
     gpu_bytes, cpu_bytes = _phase_total(gpu_parts), _phase_total(cpu_parts)
-    fits = (gpu_bytes <= gpu_budget or not on_gpu) and cpu_bytes <= cpu_budget
+    disk_parts = dict(st["disk"])
+    disk_bytes = _phase_total(disk_parts)
+    disk_free = int(run.nvme["free_bytes"]) if run.nvme else 0
+    fits = (gpu_bytes <= gpu_budget or not on_gpu) and cpu_bytes <= cpu_budget and disk_bytes <= disk_free
     why = None
     if not fits:
         bits = []
+        if disk_bytes > disk_free:
+            bits.append(f"disk {gib(disk_bytes)} > {gib(disk_free)} free at memory.nvme_path" if run.nvme else
+                        "memory.nvme_path was not measured (set it to an existing folder)")
         if on_gpu and gpu_bytes > gpu_budget:
             bits.append(f"GPU {'>= ' if lower_bound else ''}{gib(gpu_bytes)} > budget {gib(gpu_budget)}")
         if cpu_bytes > cpu_budget:
@@ -320,7 +326,8 @@ def _plan_profile(p: Profile, run: RunShape, micro_batch: int, gpu_budget: int, 
         why = "; ".join(bits)
     row = ProfilePlan(profile=p.name, engine=p.engine, precision=p.precision, device=run.device,
                       gpu_bytes=gpu_bytes, cpu_bytes=cpu_bytes, fits=fits,
-                      parts={"gpu": gpu_parts, "cpu": cpu_parts}, speed_rank=p.speed_rank, micro_batch=micro_batch,
+                      parts={"gpu": gpu_parts, "cpu": cpu_parts, **({"disk": disk_parts} if disk_parts else {})},
+                      speed_rank=p.speed_rank, micro_batch=micro_batch,
                       accumulation=accumulation, why_not=why, gpu_tensor_bytes=tensor_peak if on_gpu else 0,
                       peak_phase=peak_phase, phases=phases if on_gpu else {}, lower_bound=lower_bound,
                       checkpointing=run.checkpointing, checkpoint_every=run.checkpoint_every if run.checkpointing else 1,
@@ -329,7 +336,8 @@ def _plan_profile(p: Profile, run: RunShape, micro_batch: int, gpu_budget: int, 
         t = steptime.predict(p, machine, ops=_ops(est, run), counts=run.counts, micro_batch=micro_batch,
                              accumulation=accumulation, seq_len=run.seq_len, world=run.world, pinned=pinned,
                              optimizer=run.optimizer, lora=run.lora_r > 0,
-                             activation_copy_bytes=est.offload_copied if est.offloaded else 0)
+                             activation_copy_bytes=est.offload_copied if est.offloaded else 0,
+                             disk=run.nvme if p.nvme else None)
         row.step_s, row.tokens_per_s, row.time_parts, row.time_notes = t.step_s, t.tokens_per_s, t.parts, t.notes
         row.eta_s = t.step_s * max_steps if max_steps else None
     return row
@@ -369,7 +377,8 @@ def make_shape(cfg: Config, hw: Hardware, avail: Availability, world: int = 1) -
                     chunked_loss=cfg.loss.chunked == "on", chunked_mode=cfg.loss.chunked,
                     head_problem=_head_problem(config, cfg.model.trust_remote_code),
                     offload_activations=cfg.memory.offload_activations == "on",
-                    offload_mode=cfg.memory.offload_activations)
+                    offload_mode=cfg.memory.offload_activations,
+                    nvme=hw.nvme if cfg.memory.nvme_path and hw.nvme else None)
 
 
 def _head_problem(config, trust_remote_code: bool) -> str | None:

@@ -64,6 +64,9 @@ def resolve(cfg: Config, hw: Hardware, world: int = 1, local_rank: int = 0, mach
     planner chooses by predicted step time; without it, by speed ranks."""
     avail = availability.assess(cfg, hw, local_rank)
     reasons = [f"device {avail.device}", avail.precision_reason]
+    if cfg.memory.nvme_path and hw.nvme and hw.nvme.get("tmpfs"):
+        reasons.append(f"warning: memory.nvme_path={cfg.memory.nvme_path} is on {hw.nvme['fs_type']}, which is RAM in "
+                       "disguise: NVMe offload there takes the RAM it was meant to spare; fix: a folder on a real disk")
     user = avail.user
     if user is not None or cfg.profile != AUTO:
         chosen = user.profile if user is not None else PROFILES[cfg.profile]

@@ -23,7 +23,7 @@ from launcher.data import load_data, micro_batches
 from launcher.engines.base import StepResult
 from launcher.engines.deepspeed import restore_torch_functions
 from launcher.faults import Hooks, StopRequested, diagnose
-from launcher.hardware import Hardware, enforce_gpu_budget, probe
+from launcher.hardware import Hardware, enforce_gpu_budget, probe, with_nvme
 from launcher.ladder import Rung, next_move
 from launcher.log import logger
 from launcher.models import build_model, count_params, enable_checkpointing, load_tokenizer, model_config, weight_dtype
@@ -58,7 +58,7 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None) -> dict:
     ranks = dist.current()
     log.setup(cfg.log.level, ranks.rank)
     dist.init(torch.device("cuda" if torch.cuda.is_available() and cfg.device != "cpu" else "cpu"))
-    hw = hw or probe()
+    hw = with_nvme(hw or probe(), cfg.memory.nvme_path)  # its free space and speed, for the plan
     # ---- decide everything before loading anything
     hf_config = model_config(cfg)
     lora.check(cfg, hf_config)  # bitsandbytes present when needed; LoRA target names exist (on a meta model)

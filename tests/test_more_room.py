@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import FAST, compare, losses, needs_deepspeed, run_cli, run_inprocess
 
+from helpers import FAST, compare, losses, needs_deepspeed, run_cli, run_inprocess
 from launcher import planner
 from launcher.config import ConfigError, load_config
 from launcher.hardware import GPUInfo, Hardware

@@ -41,7 +41,8 @@ def build(cfg, spec, model, hw: Hardware, hidden_size: int, lr: float):
             ds_config = resolve_ds_config(spec.profile, micro_batch=spec.micro_batch, accumulation=spec.accumulation,
                                           world=spec.world, grad_clip=t.grad_clip, lr=lr, betas=betas, eps=t.eps,
                                           weight_decay=t.weight_decay, hidden_size=hidden_size, pin_memory=pin,
-                                          loss_scale=vars(cfg.loss_scale))
+                                          loss_scale=vars(cfg.loss_scale), nvme_path=nvme_folder(cfg, spec),
+                                          largest_param=max((p.numel() for p in model.parameters()), default=0))
         return DeepSpeedEngine(model, ds_config=ds_config, param_groups=groups, device=spec.device,
                                levers=levers), ds_config
     if spec.engine == "fsdp":
@@ -53,6 +54,18 @@ def build(cfg, spec, model, hw: Hardware, hidden_size: int, lr: float):
     return AmpEngine(model, precision=spec.precision, device=spec.device, param_groups=groups, lr=lr, betas=betas,
                      eps=t.eps, grad_clip=t.grad_clip, loss_scale=cfg.loss_scale, optimizer=t.optimizer,
                      levers=levers), None
+
+
+def nvme_folder(cfg, spec) -> str:
+    """ZeRO-Infinity's swap folder: a run's own folder under ``memory.nvme_path`` (DeepSpeed writes one file per
+    swapped tensor in it and never deletes them; a folder of the run's keeps runs apart and is easy to remove)."""
+    if not spec.profile.nvme:
+        return ""
+    import os
+
+    path = os.path.join(os.path.abspath(os.path.expanduser(cfg.memory.nvme_path)), f"vramfit-swap-{os.getpid()}")
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 def offload_pinning(spec, hw: Hardware) -> tuple[bool, str]:
