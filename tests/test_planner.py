@@ -279,7 +279,8 @@ def test_plan_json_contract():
     assert set(doc["budget"]) >= {"gpu_bytes", "cpu_bytes", "gpu_source", "cpu_source"}
     for row in doc["profiles"]:
         assert {"profile", "gpu_bytes", "cpu_bytes", "fits", "parts", "speed_rank", "micro_batch", "why_not"} <= set(row)
-        assert set(row["parts"]) == {"gpu", "cpu"}
+        # NVMe offload rows add what goes to memory.nvme_path (docs/more-room.md)
+        assert set(row["parts"]) == {"gpu", "cpu"} | ({"disk"} if "nvme" in row["profile"] else set())
     assert doc["chosen"] in [r["profile"] for r in doc["profiles"]]
     text = report.format_table(p)
     assert "chosen: " + doc["chosen"] in text and "GPU peak GiB" in text
