@@ -108,7 +108,7 @@ def cmd_profiles(args) -> int:
 def cmd_plan(args) -> int:
     from launcher import advice, calibrate, compare, gpus, planner, report
     from launcher.config import load_config
-    from launcher.hardware import probe
+    from launcher.hardware import probe, with_nvme
 
     path, overrides = _split_config(args.config)
     out = args.stdout
@@ -120,7 +120,7 @@ def cmd_plan(args) -> int:
     cfg = load_config(path, overrides)
     spec = gpus.find(args.gpu) if args.gpu else None  # a bad name fails before anything is measured
     prices = compare.parse_prices(args.price) if args.compare_gpus else {}
-    hw = probe()
+    hw = with_nvme(probe(), cfg.memory.nvme_path)
     world = dist.current().world
     if args.compare_gpus:
         rows = compare.compare(cfg, hw, calibrate.load_or_calibrate(), prices, world=world)

@@ -100,7 +100,9 @@ class TrainConfig:
     eps: float = _f(1e-8, "AdamW epsilon.", min=0.0)
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this (0 = off).", min=0.0)
     eval_every: int = _f(0, "Eval loss every N steps (0 = only at the end when an eval split exists).", min=0)
-    optimizer: str = _f("adamw", "adamw, or adamw8bit (bitsandbytes, AMP path only).", choices=("adamw", "adamw8bit"))
+    optimizer: str = _f("adamw", "adamw, adamw8bit (bitsandbytes, AMP path only), or paged_adamw8bit (bitsandbytes' "
+                        "paged 8-bit AdamW: states in CUDA unified memory that pages to the CPU under pressure; CUDA "
+                        "and the AMP path only).", choices=("adamw", "adamw8bit", "paged_adamw8bit"))
     oom_fallback: bool = _f(True, "On out-of-memory step down the ladder (smaller micro-batch, checkpointing, more "
                             "offload); false = fail at once (benchmarks, so a result is the asked settings).")
 
@@ -119,6 +121,20 @@ class MemoryConfig:
     gpu_budget: Any = _f("auto", "GPU memory budget in GiB, or 'auto' (free memory now minus margin).", min=0.1, auto=True)
     cpu_budget: Any = _f("auto", "CPU RAM budget in GiB, or 'auto' (available RAM minus margin).", min=0.1, auto=True)
     margin: float = _f(0.1, "Safety margin taken off auto budgets (fraction).", min=0.0, max=0.9)
+    offload_activations: str = _f("auto", "Activations saved for backward go to CPU memory in the forward and come "
+                                  "back in the backward (with checkpointing: only the checkpointed layers' inputs); "
+                                  "on, off, or auto (the planner turns it on when nothing fits without it). Exact; "
+                                  "costs two copies of those bytes per micro-batch.", choices=("auto", "on", "off"))
+    nvme_path: str = _f("", "A folder on a fast local disk for ZeRO-Infinity's NVMe offload profiles "
+                        "(zero3-*-offload-nvme-*); empty = those profiles are off.")
+
+
+@dataclass
+class LossConfig:
+    chunked: str = _f("auto", "Output head + cross-entropy in chunks of the sequence, so the micro x seq x vocab "
+                      "logits never exist (same loss and gradients; one extra head matmul per step): on, off, or "
+                      "auto (on when the plain logits would take over 10% of the memory budget).",
+                      choices=("auto", "on", "off"))
 
 
 @dataclass
@@ -163,6 +179,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -379,8 +396,8 @@ def check(cfg: Config, world: int | None = None) -> list[str]:
     if cfg.model.quantize != "none" and cfg.engine in ("deepspeed", "fsdp"):
         problems.append(f"model.quantize: got {cfg.model.quantize!r} with engine={cfg.engine}; rule: bitsandbytes "
                         "quantized weights train on the AMP path only; fix: engine=auto or engine=amp")
-    if t.optimizer == "adamw8bit" and cfg.engine in ("deepspeed", "fsdp"):
-        problems.append(f"train.optimizer: got 'adamw8bit' with engine={cfg.engine}; rule: 8-bit AdamW runs on the "
+    if t.optimizer in ("adamw8bit", "paged_adamw8bit") and cfg.engine in ("deepspeed", "fsdp"):
+        problems.append(f"train.optimizer: got {t.optimizer!r} with engine={cfg.engine}; rule: 8-bit AdamW runs on the "
                         "AMP path only; fix: engine=auto or engine=amp, or train.optimizer=adamw")
     if cfg.profile != AUTO:
         if cfg.profile not in PROFILES:
@@ -392,6 +409,10 @@ def check(cfg: Config, world: int | None = None) -> list[str]:
             if cfg.engine not in (AUTO, p.engine):
                 problems.append(f"engine: got {cfg.engine!r} with profile={cfg.profile} (a {p.engine} profile); "
                                 f"rule: they must agree; fix: engine=auto or engine={p.engine}")
+            if p.nvme and not cfg.memory.nvme_path:
+                problems.append(f"profile: got {cfg.profile!r} without memory.nvme_path; rule: an NVMe offload profile "
+                                "swaps into a folder on a fast disk; fix: memory.nvme_path=/path/on/nvme, or "
+                                f"profile={cfg.profile.replace('-nvme-opt', '-all').replace('-nvme-all', '-all')}")
             if cfg.precision not in (AUTO, p.precision):
                 problems.append(f"precision: got {cfg.precision!r} with profile={cfg.profile} ({p.precision}); "
                                 f"rule: they must agree; fix: precision=auto or precision={p.precision}")
@@ -409,6 +430,16 @@ def check(cfg: Config, world: int | None = None) -> list[str]:
             problems.append(f"engine: got {cfg.engine!r} with deepspeed_config={cfg.deepspeed_config}; rule: a DeepSpeed "
                             "config runs on the DeepSpeed engine; fix: engine=auto or engine=deepspeed, or "
                             "deepspeed_config=\"\"")
+    nvme = cfg.memory.nvme_path
+    if nvme:
+        where = os.path.expanduser(nvme)
+        if not os.path.isdir(where):
+            problems.append(f"memory.nvme_path: got {nvme!r}, no such folder; rule: an existing folder on a fast local "
+                            f"disk (ZeRO-Infinity swaps optimizer states and parameters into it); fix: mkdir -p {nvme}, "
+                            "or memory.nvme_path=\"\" to leave NVMe offload off")
+        elif not os.access(where, os.W_OK | os.X_OK):
+            problems.append(f"memory.nvme_path: got {nvme!r}, not writable by this user; rule: the swap files are "
+                            f"written there; fix: a folder you can write (chmod u+w {nvme}), or memory.nvme_path=\"\"")
     if cfg.checkpoint.resume not in ("auto", "never") and not os.path.exists(cfg.checkpoint.resume):
         problems.append(f"checkpoint.resume: got {cfg.checkpoint.resume!r}; rule: auto, never, or an existing "
                         "checkpoint directory; fix: checkpoint.resume=auto")

@@ -23,7 +23,7 @@ from launcher.data import load_data, micro_batches
 from launcher.engines.base import StepResult
 from launcher.engines.deepspeed import restore_torch_functions
 from launcher.faults import Hooks, StopRequested, diagnose
-from launcher.hardware import Hardware, enforce_gpu_budget, probe
+from launcher.hardware import Hardware, enforce_gpu_budget, probe, with_nvme
 from launcher.ladder import Rung, next_move
 from launcher.log import logger
 from launcher.models import build_model, count_params, enable_checkpointing, load_tokenizer, model_config, weight_dtype
@@ -58,7 +58,7 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None) -> dict:
     ranks = dist.current()
     log.setup(cfg.log.level, ranks.rank)
     dist.init(torch.device("cuda" if torch.cuda.is_available() and cfg.device != "cpu" else "cpu"))
-    hw = hw or probe()
+    hw = with_nvme(hw or probe(), cfg.memory.nvme_path)  # its free space and speed, for the plan
     # ---- decide everything before loading anything
     hf_config = model_config(cfg)
     lora.check(cfg, hf_config)  # bitsandbytes present when needed; LoRA target names exist (on a meta model)
@@ -199,7 +199,10 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None) -> dict:
                 else:
                     engine.reset_micro_batch(move.to.micro_batch, move.to.accumulation)
                     if move.kind == "checkpointing":
-                        enable_checkpointing(engine.module(), move.to.checkpoint_every)
+                        enable_checkpointing(engine.module(), move.to.checkpoint_every, spec.offload_activations,
+                                             engine.levers is not None and engine.levers.pin_memory)
+                        if engine.levers is not None:  # activation offload now rides on the checkpointed layers
+                            engine.levers = replace(engine.levers, checkpointing=True)
                     free_memory(device)
                 spec = new_spec
                 continue
@@ -328,7 +331,8 @@ def make_engine(cfg: Config, spec: RunSpec, hw: Hardware, hf_config, rd: RunDir,
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, weight_dtype(cfg, spec.engine, spec.precision), hf_config, device=spec.device,
                         precision=spec.precision, checkpointing=spec.checkpointing,
-                        checkpoint_every=spec.checkpoint_every)
+                        checkpoint_every=spec.checkpoint_every, offload_activations=spec.offload_activations,
+                        pin_memory=spec.offload_activations and engines.offload_pinning(spec, hw)[0])
     if state is not None:
         with torch.no_grad():
             for name, p in model.named_parameters():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from launcher import dist
-from launcher.engines.base import StepResult, batch_to
+from launcher.engines.base import Levers, StepResult, batch_to, forward_loss
 from launcher.hardware import clear_stale_op_locks
 from launcher.log import logger
 from launcher.models import save_final
@@ -39,7 +39,8 @@ class DeepSpeedEngine:
     name = "deepspeed"
     resets_in_place = False  # ZeRO keeps a half-accumulated step in its own buffers: the OOM ladder rebuilds
 
-    def __init__(self, model: torch.nn.Module, *, ds_config: dict, param_groups: list[dict], device: torch.device):
+    def __init__(self, model: torch.nn.Module, *, ds_config: dict, param_groups: list[dict], device: torch.device,
+                 levers: Levers | None = None):
         import deepspeed
 
         dist.ensure_env()
@@ -50,6 +51,7 @@ class DeepSpeedEngine:
             deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
         self.ds_config = ds_config
         self.device = device
+        self.levers = levers
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups,
                                                                  config=ds_config)
         self.optimizer_name = optimizer_name(self.optimizer)
@@ -62,7 +64,7 @@ class DeepSpeedEngine:
             scaler.raise_error_at_min_scale = False
 
     def forward_backward(self, batch: dict, accumulation: int) -> torch.Tensor:
-        loss = self.engine(**batch_to(batch, self.engine.device)).loss  # the logits are not kept through backward
+        loss = forward_loss(self.engine, batch_to(batch, self.engine.device), self.levers)  # logits not kept
         self.engine.backward(loss)
         self._micro += 1
         if self._micro < accumulation:
@@ -135,7 +137,7 @@ class DeepSpeedEngine:
     def eval_loss(self, batch: dict) -> float:
         self.engine.eval()
         try:
-            return float(self.engine(**batch_to(batch, self.engine.device)).loss)
+            return float(forward_loss(self.engine, batch_to(batch, self.engine.device), self.levers))
         finally:
             self.engine.train()
 
