@@ -22,6 +22,7 @@ measured RSS peak is compared with it instead -- this is also what makes ``--fin
 
 Writes ``OUT/results.json`` (``{"results": [...], "hardware": {...}}``), ``OUT/results.md`` and
 ``OUT/results.png``, rewritten after every run, so a benchmark stopped by a time limit keeps what it has.
+``OUT`` must be new or empty: the results of an earlier benchmark there are never replaced.
 """
 
 from __future__ import annotations

@@ -368,7 +368,7 @@ def _claim(cfg: Config, rd: RunDir, cleanup: contextlib.ExitStack) -> tuple[str 
         logger.info(f"{LOCK}: taking over the lock of pid {h.get('pid', '?')} on host {h.get('host', '?')} "
                     f"(started {h.get('started', '?')}), which ended without releasing it")
     try:
-        return (cfg.checkpoint.resume, []) if explicit else _resume_point(cfg, rd)
+        return _resume_point(cfg, rd, explicit)
     except ConfigError:
         lock.release()
         if created:
@@ -377,11 +377,14 @@ def _claim(cfg: Config, rd: RunDir, cleanup: contextlib.ExitStack) -> tuple[str 
         raise
 
 
-def _resume_point(cfg: Config, rd: RunDir) -> tuple[str | None, list[tuple[str, str]]]:
-    """checkpoint.resume=auto|never in a locked run directory: (checkpoint or None, damaged newer ones)."""
+def _resume_point(cfg: Config, rd: RunDir, explicit: bool) -> tuple[str | None, list[tuple[str, str]]]:
+    """In a locked run directory: (checkpoint to resume from or None, damaged ones newer than it)."""
     if not [n for n in os.listdir(rd.path) if n != LOCK]:
-        return None, []
-    found, damaged = ckpt.newest_loadable(rd.checkpoints)
+        return (cfg.checkpoint.resume if explicit else None), []
+    if explicit:  # verified by _claim
+        found, damaged = cfg.checkpoint.resume, []
+    else:
+        found, damaged = ckpt.newest_loadable(rd.checkpoints)
     for path, why in damaged:
         logger.warning(f"checkpoint {path} is damaged ({why})" + (f"; using {found}" if found else ""))
     if cfg.checkpoint.resume == "never" or found is None:
