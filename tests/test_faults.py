@@ -439,7 +439,8 @@ def test_disk_full(capsys, monkeypatch, tmp_path, at):
 
     monkeypatch.setattr(train_mod, "Hooks", lambda: Hooks(during_save=during_save))
     if at == "final":
-        def save_final(model, directory, **kw):
+        def save_final(model, directory, **kw):  # as save_pretrained does: makes the directory, then fails
+            os.makedirs(directory, exist_ok=True)
             open(os.path.join(directory, "model.safetensors"), "wb").write(b"\0" * 1000)
             enospc()
         monkeypatch.setattr(amp, "save_final", save_final)
