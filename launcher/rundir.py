@@ -236,8 +236,11 @@ class RunLock:
                 self.taken_over = {"content": previous[:200].decode(errors="replace")}
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
               "command": " ".join(sys.argv)[:500]}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+        except OSError:  # a full disk: the lock holds all the same, a refusal just cannot name us
+            pass
         self.fd = fd
         return self
 
