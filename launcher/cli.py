@@ -15,6 +15,7 @@ import sys
 
 from launcher import dist, log
 from launcher.config import ConfigError
+from launcher.rundir import DiskFull
 
 EPILOG = """config: an optional YAML file, then key=value overrides, e.g.
   vramfit train                                   # the built-in demo (tiny Llama, synthetic task)
@@ -271,14 +272,20 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\.")
     argv = strip_local_rank(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
-    log.setup(rank=dist.current().rank)
     try:
+        log.setup(rank=dist.current().rank)
         with results_stdout() as args.stdout:
             return args.fn(args)
+    except dist.EnvError as e:  # no rank to go by: every process says it
+        print(f"vramfit: {e}", file=sys.stderr)
+        return 2
     except ConfigError as e:
         if dist.current().is_main:  # every rank finds the same problems: one copy is enough
             print(f"vramfit: {e}", file=sys.stderr)
         return 2
+    except DiskFull as e:  # a write outside the loop (the loop itself ends such a run with a summary)
+        print(f"vramfit: {e}; fix: free space there or choose another output_dir", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

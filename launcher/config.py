@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, get_origin
 
@@ -33,10 +35,13 @@ class ConfigError(ValueError):
         super().__init__("\n".join([head] + [f"  - {p}" for p in self.problems]))
 
 
-def _f(default, help: str, choices=None, min=None, max=None, auto: bool = False, number=None, **kw):
-    """A schema field: default, one-line help, allowed values, bounds, whether 'auto' is allowed, and for
-    'auto' fields the number type (int or float) of the other values."""
-    meta = {"help": help, "choices": choices, "min": min, "max": max, "auto": auto, "number": number}
+def _f(default, help: str, choices=None, min=None, max=None, auto: bool = False, number=None, above=None,
+       below=None, **kw):
+    """A schema field: default, one-line help, allowed values, bounds (``min``/``max`` inclusive,
+    ``above``/``below`` exclusive, for values where the bound itself cannot train: Adam's beta of 1, an
+    epsilon of 0), whether 'auto' is allowed, and for 'auto' fields the number type of the other values."""
+    meta = {"help": help, "choices": choices, "min": min, "max": max, "auto": auto, "number": number,
+            "above": above, "below": below}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta, **kw)
     return field(default=default, metadata=meta, **kw)
@@ -65,7 +70,7 @@ class ModelConfig:
 class LoraConfig:
     r: int = _f(0, "LoRA rank; 0 turns LoRA off (full fine-tune).", min=0)
     alpha: float = _f(16.0, "LoRA scaling numerator (scale = alpha / r).", min=0)
-    dropout: float = _f(0.0, "Dropout on the LoRA input.", min=0.0, max=1.0)
+    dropout: float = _f(0.0, "Dropout on the LoRA input.", min=0.0, below=1.0)  # 1: the adapters see only zeros
     target_modules: list = _f(["all-linear"], "Module names to adapt; 'all-linear' = every linear layer of the decoder.")
 
 
@@ -90,14 +95,14 @@ class TrainConfig:
     micro_batch_size: Any = _f(8, "Samples per forward/backward per rank (int, or 'auto' to take the planner's).",
                                min=1, auto=True)
     global_batch_size: int = _f(16, "Samples per optimizer step over all ranks = micro x accumulation x world.", min=1)
-    lr: float = _f(3e-3, "Peak learning rate.", min=0.0)
+    lr: float = _f(3e-3, "Peak learning rate.", above=0.0)
     min_lr_ratio: float = _f(0.1, "Cosine schedule ends at lr x this.", min=0.0, max=1.0)
     warmup_steps: Any = _f(AUTO, "Linear warmup steps before the cosine decay; auto = 10% of train.max_steps.", min=0,
                            auto=True, number=int)
     weight_decay: float = _f(0.0, "AdamW weight decay, applied to matrices only (not norms and biases).", min=0.0)
-    beta1: float = _f(0.9, "AdamW beta1.", min=0.0, max=1.0)
-    beta2: float = _f(0.95, "AdamW beta2.", min=0.0, max=1.0)
-    eps: float = _f(1e-8, "AdamW epsilon.", min=0.0)
+    beta1: float = _f(0.9, "AdamW beta1.", min=0.0, below=1.0)  # 1: bias correction m / (1 - 1**t) = 0/0
+    beta2: float = _f(0.95, "AdamW beta2.", min=0.0, below=1.0)  # 1: v / (1 - 1**t) = 0/0: NaN at step 1
+    eps: float = _f(1e-8, "AdamW epsilon.", above=0.0)  # 0: a parameter whose gradient is 0 divides 0 by 0
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this (0 = off).", min=0.0)
     eval_every: int = _f(0, "Eval loss every N steps (0 = only at the end when an eval split exists).", min=0)
     optimizer: str = _f("adamw", "adamw, adamw8bit (bitsandbytes, AMP path only), or paged_adamw8bit (bitsandbytes' "
@@ -112,7 +117,7 @@ class LossScaleConfig:
     initial_power: int = _f(16, "fp16 dynamic loss scale starts at 2**initial_power.", min=0, max=32)
     window: int = _f(1000, "Overflow-free steps before the scale doubles.", min=1)
     hysteresis: int = _f(2, "Overflows tolerated before the scale halves (DeepSpeed).", min=1)
-    min_scale: float = _f(1.0, "The scale never goes below this.", min=0.0)
+    min_scale: float = _f(1.0, "The scale never goes below this.", above=0.0)  # 0: a loss scaled to 0 trains nothing
     patience: int = _f(10, "Overflowing steps in a row at min_scale before the run stops (checkpoint + diagnosis).", min=1)
 
 
@@ -277,6 +282,13 @@ def _coerce(key: str, value: Any, f: dataclasses.Field, problems: list[str]):
         if hi is not None and out > hi:
             problems.append(f"{key}: got {out!r}; rule: must be <= {hi}; fix: {key}={hi}")
             return None
+        # an open bound cannot be offered as the fix: the default is (for lr, betas, eps, dropout, scale)
+        if meta.get("above") is not None and out <= meta["above"]:
+            problems.append(f"{key}: got {out!r}; rule: must be > {meta['above']}; fix: {key}={f.default}")
+            return None
+        if meta.get("below") is not None and out >= meta["below"]:
+            problems.append(f"{key}: got {out!r}; rule: must be < {meta['below']}; fix: {key}={f.default}")
+            return None
     return out
 
 
@@ -399,23 +411,30 @@ def check(cfg: Config, world: int | None = None) -> list[str]:
     if t.optimizer in ("adamw8bit", "paged_adamw8bit") and cfg.engine in ("deepspeed", "fsdp"):
         problems.append(f"train.optimizer: got {t.optimizer!r} with engine={cfg.engine}; rule: 8-bit AdamW runs on the "
                         "AMP path only; fix: engine=auto or engine=amp, or train.optimizer=adamw")
-    if cfg.profile != AUTO:
-        if cfg.profile not in PROFILES:
-            close = difflib.get_close_matches(cfg.profile, list(PROFILES), n=1)
-            problems.append(f"profile: got {cfg.profile!r}; rule: auto or one of {', '.join(PROFILES)}; "
-                            f"fix: profile={close[0] if close else 'auto'}")
-        else:
-            p = PROFILES[cfg.profile]
-            if cfg.engine not in (AUTO, p.engine):
-                problems.append(f"engine: got {cfg.engine!r} with profile={cfg.profile} (a {p.engine} profile); "
-                                f"rule: they must agree; fix: engine=auto or engine={p.engine}")
-            if p.nvme and not cfg.memory.nvme_path:
-                problems.append(f"profile: got {cfg.profile!r} without memory.nvme_path; rule: an NVMe offload profile "
-                                "swaps into a folder on a fast disk; fix: memory.nvme_path=/path/on/nvme, or "
-                                f"profile={cfg.profile.replace('-nvme-opt', '-all').replace('-nvme-all', '-all')}")
-            if cfg.precision not in (AUTO, p.precision):
-                problems.append(f"precision: got {cfg.precision!r} with profile={cfg.profile} ({p.precision}); "
-                                f"rule: they must agree; fix: precision=auto or precision={p.precision}")
+    if cfg.profile in PROFILES:  # an unknown name is reported by names_and_paths
+        p = PROFILES[cfg.profile]
+        if cfg.engine not in (AUTO, p.engine):
+            problems.append(f"engine: got {cfg.engine!r} with profile={cfg.profile} (a {p.engine} profile); "
+                            f"rule: they must agree; fix: engine=auto or engine={p.engine}")
+        if p.nvme and not cfg.memory.nvme_path:
+            problems.append(f"profile: got {cfg.profile!r} without memory.nvme_path; rule: an NVMe offload profile "
+                            "swaps into a folder on a fast disk; fix: memory.nvme_path=/path/on/nvme, or "
+                            f"profile={cfg.profile.replace('-nvme-opt', '-all').replace('-nvme-all', '-all')}")
+        if cfg.precision not in (AUTO, p.precision):
+            problems.append(f"precision: got {cfg.precision!r} with profile={cfg.profile} ({p.precision}); "
+                            f"rule: they must agree; fix: precision=auto or precision={p.precision}")
+    if cfg.lora.r > 0 and cfg.lora.alpha == 0:
+        problems.append(f"lora.alpha: got 0 with lora.r={cfg.lora.r}; rule: the adapters' output is scaled by "
+                        f"alpha / r, so 0 trains nothing; fix: lora.alpha={2 * cfg.lora.r}")
+    if t.lr * t.weight_decay >= 1:
+        problems.append(f"train.weight_decay: got {t.weight_decay:g} with train.lr={t.lr:g}; rule: AdamW multiplies "
+                        f"every weight by 1 - lr x weight_decay each step, which must stay above 0; fix: "
+                        f"train.weight_decay={min(0.1, 0.5 / t.lr):g}")
+    ls = cfg.loss_scale
+    if ls.min_scale > 2.0 ** ls.initial_power:
+        problems.append(f"loss_scale.min_scale: got {ls.min_scale:g} above the initial scale 2**{ls.initial_power} = "
+                        f"{2.0 ** ls.initial_power:g}; rule: the floor cannot be above the start; fix: "
+                        f"loss_scale.min_scale=1 or loss_scale.initial_power={min(32, math.ceil(math.log2(ls.min_scale)))}")
     if cfg.deepspeed_config:
         # The file is read here; what DeepSpeed's config models and vramfit's settings say about it is checked
         # by launcher.user_ds_config before the plan (it needs DeepSpeed and the resolved precision).
@@ -446,6 +465,36 @@ def check(cfg: Config, world: int | None = None) -> list[str]:
     return problems
 
 
+def names_and_paths(cfg: Config) -> list[str]:
+    """Problems of single values that need more than the schema: the profile's name (checked with the other
+    names, so every wrong one is reported at once), run_name (one directory name) and output_dir (a
+    directory that can be made and written). Checked before planning, by every command."""
+    problems = []
+    if cfg.profile != AUTO and cfg.profile not in PROFILES:
+        close = difflib.get_close_matches(cfg.profile, list(PROFILES), n=1)
+        problems.append(f"profile: got {cfg.profile!r}; rule: auto or one of {', '.join(PROFILES)}; "
+                        f"fix: profile={close[0] if close else 'auto'}")
+    name = cfg.run_name
+    parts = [p for p in re.split(r"[/\\]", name) if p not in ("", ".", "..")]
+    if name and (name in (".", "..") or "/" in name or os.sep in name or "\0" in name or len(name.encode()) > 255):
+        problems.append(f"run_name: got {name!r}; rule: one directory name under output_dir (no '/', not '.' or "
+                        f"'..', at most 255 bytes), so a run never lands outside it; fix: run_name="
+                        f"{'-'.join(parts)[:255] or 'run'} (and output_dir=DIR to choose where runs go)")
+    out = os.path.abspath(os.path.expanduser(cfg.output_dir or "."))
+    there = out
+    while not os.path.exists(there) and os.path.dirname(there) != there:
+        there = os.path.dirname(there)
+    if not os.path.isdir(there):
+        what = "is a file" if there == out else f"cannot be made: {there} is a file"
+        problems.append(f"output_dir: got {cfg.output_dir!r}, which {what}; rule: output_dir is a directory that "
+                        f"holds one directory per run; fix: output_dir={os.path.dirname(there) or '.'}/runs, or "
+                        "another directory")
+    elif not os.access(there, os.W_OK | os.X_OK):
+        problems.append(f"output_dir: got {cfg.output_dir!r}; rule: a directory this user can write ({there} is not "
+                        "writable here); fix: output_dir=DIR on a writable disk")
+    return problems
+
+
 def auto_warmup_steps(max_steps: int) -> int:
     """``train.warmup_steps=auto``: 10% of the run (20 of the default 200 steps)."""
     return max_steps // 10
@@ -458,6 +507,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, wor
     cfg = _build(Config, raw, "", problems)
     if cfg.train.warmup_steps == AUTO:  # follows the run's length, so a short smoke run works with the defaults
         cfg.train.warmup_steps = auto_warmup_steps(cfg.train.max_steps)
+    problems += names_and_paths(cfg)
     if not problems:
         problems += check(cfg, world)
     if problems:

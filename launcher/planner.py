@@ -361,6 +361,7 @@ def _micro_batch_candidates(run: RunShape, asked) -> list[int]:
 
 def make_shape(cfg: Config, hw: Hardware, avail: Availability, world: int = 1) -> RunShape:
     config = hfconfig.load(cfg.model.name, cfg.model.trust_remote_code)
+    hfconfig.check_seq_len(config, cfg.data.seq_len)  # plan refuses what train would
     targets = tuple(cfg.lora.target_modules) or ("all-linear",)
     counts = count_params(config, cfg.lora.r, targets, cfg.model.trust_remote_code)
     device = avail.device.type
