@@ -107,11 +107,27 @@ def cmd_plan(args) -> int:
     path, overrides = _split_config(args.config)
     with stdout_for_json(args.json) as out:
         cfg = load_config(path, overrides)
+        cfg = _settle_data_formats(cfg)
         hw = probe()
         world = dist.current().world
         plan = advice.add_suggestions(planner.plan(cfg, hw, world=world), cfg, hw, world=world)
         print(json.dumps(plan.to_json(), indent=2) if args.json else report.format_table(plan), file=out)
     return 0 if plan.chosen else 2
+
+
+def _settle_data_formats(cfg):
+    """``format: auto`` of the data resolved from one record, so the plan knows whether instruction samples are
+    packed; data that cannot be read here (planning for another machine) is planned as text, with a notice."""
+    from launcher.config import ConfigError
+    from launcher.data import settle_formats
+    from launcher.log import logger
+
+    try:
+        return settle_formats(cfg)
+    except ConfigError as e:
+        logger.info(f"data not read here ({e.problems[0]}); planned as text batches: set data.format to plan "
+                    "instruction batches")
+        return cfg
 
 
 def cmd_train(args) -> int:
