@@ -26,7 +26,7 @@ import torch
 
 from launcher import availability, hfconfig
 from launcher.availability import Availability
-from launcher.config import AUTO, Config
+from launcher.config import AUTO, Config, packs_samples
 from launcher.hardware import Hardware
 from launcher.memory.shape import count_params
 from launcher.memory.states import (
@@ -146,11 +146,14 @@ def budgets(cfg: Config, hw: Hardware, device: str) -> tuple[int, int, dict]:
 
 def _attention_kernel(run: RunShape, dtype: torch.dtype) -> str:
     """The SDPA kernel the target runs: flash for 16-bit on capability >= 8, memory-efficient otherwise
-    (CUDA); CPU's flash kernel (without dropout; the trace falls back to math when dropout is on)."""
+    (CUDA); CPU's flash kernel (without dropout; the trace falls back to math when dropout is on). Packed samples
+    bring a mask, which CUDA's flash kernel does not take: the memory-efficient one runs."""
     if run.attn_implementation != "sdpa":
         return "math"
     if run.device == "cpu":
         return "flash"
+    if run.packed:
+        return "efficient"
     if dtype in (torch.float16, torch.bfloat16) and run.capability[0] >= 8:
         return "flash"
     return "efficient"
@@ -176,7 +179,7 @@ def _trace_settings(run: RunShape, family: str, micro_batch: int) -> TraceSettin
     return TraceSettings(batch_size=micro_batch, seq_len=run.seq_len, param_dtype=pdt, adapter_dtype=adt,
                          autocast_dtype=ac, target=run.device, attn_implementation=run.attn_implementation,
                          attention_kernel=kernel, gradient_checkpointing=run.checkpointing, lora_r=run.lora_r,
-                         lora_targets=run.lora_targets, lora_dropout=run.lora_dropout)
+                         lora_targets=run.lora_targets, lora_dropout=run.lora_dropout, packed=run.packed)
 
 
 class PlanError(RuntimeError):
@@ -303,7 +306,7 @@ def make_shape(cfg: Config, hw: Hardware, avail: Availability, world: int = 1) -
                     attn_implementation="sdpa" if cfg.model.attn_implementation == AUTO else cfg.model.attn_implementation,
                     lora_r=int(cfg.lora.r), lora_targets=targets, lora_dropout=float(cfg.lora.dropout),
                     quantize=cfg.model.quantize, optimizer=cfg.train.optimizer,
-                    trust_remote_code=bool(cfg.model.trust_remote_code))
+                    trust_remote_code=bool(cfg.model.trust_remote_code), packed=packs_samples(cfg.data))
 
 
 def plan(cfg: Config, hw: Hardware, profiles: list[str] | None = None, *, world: int = 1) -> Plan:
@@ -395,7 +398,8 @@ def _settings(cfg: Config, run: RunShape, why_precision: str) -> dict:
             "seq_len": run.seq_len, "micro_batch_size": cfg.train.micro_batch_size,
             "global_batch_size": run.global_batch, "world_size": run.world, "gradient_checkpointing": run.checkpointing,
             "attn_implementation": run.attn_implementation, "lora_r": run.lora_r,
-            "lora_target_modules": list(run.lora_targets), "quantize": run.quantize, "optimizer": run.optimizer}
+            "lora_target_modules": list(run.lora_targets), "quantize": run.quantize, "optimizer": run.optimizer,
+            "packed": run.packed}
 
 
 def _assumptions(run: RunShape) -> dict:

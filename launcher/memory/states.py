@@ -53,6 +53,7 @@ class RunShape:
     quantize: str
     optimizer: str
     trust_remote_code: bool
+    packed: bool = False  # instruction samples packed padding-free: a block-diagonal attention mask per layer
 
     @property
     def hidden(self) -> int:

@@ -118,32 +118,39 @@ class _FusedAttention(torch.autograd.Function):
     log-sum-exp per query row. Values are not computed (this is for meta tensors and measurement)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, lse_len: int, accum_dq: bool):
+    def forward(ctx, q, k, v, lse_len: int, accum_dq: bool, bias=None):
         if q.dim() == 4:  # the kernels write (batch, seq, heads, dim) and return it transposed
             b, h, s, _ = q.shape
             out = q.new_empty((b, s, h, v.shape[-1])).transpose(1, 2)
         else:
             out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
         lse = q.new_empty(q.shape[:-2] + (lse_len,), dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, *([bias] if bias is not None else []))
         ctx.accum_dq = accum_dq
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors[:5]
         delta = torch.empty_like(lse)  # rowsum(dO * O), fp32, both kernels
         dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device) if ctx.accum_dq else None
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         del delta, dq_accum
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                      enable_gqa=False, *, target: str, kernel: str):
     s = query.shape[-2]
     lse_len = -(-s // 32) * 32 if kernel == "efficient" else s
-    out = _FusedAttention.apply(query, key, value, lse_len, kernel == "flash" and target == "cuda")
+    bias = None
+    if attn_mask is not None and not attn_mask.requires_grad:
+        # A boolean mask (packed samples) is turned into an additive bias in the query's dtype on every call and
+        # kept for backward, one per layer; CUDA's memory-efficient kernel pads its last dimension to 16.
+        last = attn_mask.shape[-1] if kernel != "efficient" else -(-attn_mask.shape[-1] // 16) * 16
+        bias = (attn_mask.new_empty(attn_mask.shape[:-1] + (last,), dtype=query.dtype)
+                if attn_mask.dtype == torch.bool else attn_mask)
+    out = _FusedAttention.apply(query, key, value, lse_len, kernel == "flash" and target == "cuda", bias)
     if attn_mask is not None and attn_mask.requires_grad:  # a learned bias keeps its own gradient path
         out = out + 0 * attn_mask.sum()
     return out
@@ -337,7 +344,8 @@ def _no_packed_sequence_probe():
     if original is None:
         yield
         return
-    mu.find_packed_sequence_indices = lambda *a, **k: None
+    mu.find_packed_sequence_indices = lambda position_ids, *a, **k: (
+        None if position_ids.is_meta else original(position_ids, *a, **k))
     try:
         yield
     finally:
@@ -374,13 +382,16 @@ def _checkpoint_with_mode(checkpoint, fmode: _FunctionMode, state: dict, functio
 
 def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: torch.dtype | None = None,
                  autocast_policy: str = "cuda", attention_kernel: str = "math", target: str = "cuda",
-                 real_autocast: bool = False) -> StepTrace:
+                 real_autocast: bool = False, packed: bool = False) -> StepTrace:
     """Trace ``loss = model(input_ids, labels=input_ids).loss; loss.backward()`` and measure it.
 
     Works on meta and on real tensors (the tests compare the two). Only the loss outlives the forward,
     as in the training loop. ``attention_kernel``: ``math`` (what runs), ``flash`` or ``efficient``
     (emulate that fused kernel for ``scaled_dot_product_attention``). ``real_autocast``: run the forward
     under ``torch.autocast(autocast_policy)`` instead of the emulation (real tensors only; for the tests).
+    ``packed``: a batch of packed samples (padding-free), whose attention mask is block-diagonal: real tensors get
+    position ids restarting mid-row (transformers builds the mask from them), meta tensors the ``[b, 1, s, s]``
+    boolean mask that this makes, created inside the measured region as the real one is.
     """
     emulate = None if real_autocast else autocast_dtype
     t0 = time.perf_counter()
@@ -472,8 +483,17 @@ def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: t
         with _no_packed_sequence_probe(), tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             autocast = (torch.autocast(autocast_policy, dtype=autocast_dtype) if real_autocast and autocast_dtype
                         else contextlib.nullcontext())
+            extra = {}
+            if packed:
+                b, s = input_ids.shape  # two samples per row: positions per row, so rotary tables per row too
+                dev = input_ids.device
+                extra["position_ids"] = torch.cat([torch.arange(s // 2, device=dev),
+                                                   torch.arange(s - s // 2, device=dev)]).expand(b, s)
+                if input_ids.is_meta:  # the packed-sequence probe cannot run on meta: the mask it would make
+                    extra["attention_mask"] = torch.ones(b, 1, s, s, dtype=torch.bool, device="meta")
             with fmode, autocast:
-                out = model(input_ids=input_ids, labels=input_ids, use_cache=False)
+                out = model(input_ids=input_ids, labels=input_ids, use_cache=False, **extra)
+            extra.clear()
             loss = out.loss
             del out
             # The mode is left before backward (a mode is switched off while it handles a call, so a
@@ -519,6 +539,7 @@ class TraceSettings:
     lora_r: int = 0
     lora_targets: tuple = (ALL_LINEAR,)
     lora_dropout: float = 0.0
+    packed: bool = False  # packed samples: a block-diagonal attention mask (launcher.data.pack)
 
 
 @dataclass
@@ -577,7 +598,7 @@ def trace_depth(config, depth: int, s: TraceSettings, trust_remote_code: bool = 
     ids = torch.zeros(s.batch_size, s.seq_len, dtype=torch.long, device="meta")
     return measure_step(model, ids, autocast_dtype=s.autocast_dtype, autocast_policy=s.target,
                         attention_kernel=s.attention_kernel if s.attn_implementation == "sdpa" else "math",
-                        target=s.target)
+                        target=s.target, packed=s.packed)
 
 
 _ESTIMATES: dict = {}
