@@ -62,6 +62,7 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None) -> dict:
     # ---- decide everything before loading anything
     hf_config = model_config(cfg)
     lora.check(cfg, hf_config)  # bitsandbytes present when needed; LoRA target names exist (on a meta model)
+    asked = cfg  # what a checkpoint compares on resume: the settings as the user gave them
     cfg = settle_formats(cfg)  # format auto -> what the records hold (one record read), so the plan knows the batches
     spec = resolve(cfg, hw, ranks.world, ranks.local_rank)
     for r in spec.reasons:
@@ -76,7 +77,7 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None) -> dict:
     train_data, eval_data = load_splits(cfg, hf_config.vocab_size, tokenizer, hf_config)
     sample_prompt = generate.prompt_ids(cfg, tokenizer, eval_data if eval_data is not None else train_data)
     rd, resume_from, run_name = prepare_run_dir(cfg, ranks)
-    settings = ckpt.fixed_settings(cfg)
+    settings = ckpt.fixed_settings(asked)
     if resume_from:
         marker = ckpt.read_marker(resume_from)
         diff = ckpt.diff_settings(marker["settings"], settings)

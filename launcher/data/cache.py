@@ -8,7 +8,8 @@ serialisation. A cache is built under a temporary name and renamed into place wh
 build or a full disk never leaves something that a later start would use; a lock file makes a second process
 (another rank, another run) wait for the first one's build instead of repeating it.
 
-Costs: one read of every file per start for the content hash (about 1 GB/s); on the first start, a copy of the
+Costs: one read of every file for its content hash (about 1 GB/s), remembered by the file's path, size, inode and
+times so later starts read nothing whole (:func:`file_digest`); on the first start, a copy of the
 records as Arrow (deleted when tokenized) and the token ids in the smallest integer type the vocabulary allows
 (2 bytes per token below 65,536 ids) plus 1 bit per token for the loss mask of instruction records.
 """
@@ -50,18 +51,40 @@ def _sha(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def file_digest(path: str) -> str:
+def file_digest(path: str, root: str) -> str:
+    """The sha256 of a file's bytes, remembered under ``root/digests`` by its path, size, inode and modification
+    and change times: a later start reads no unchanged file whole (hashing costs about a second per GB, each
+    start, otherwise). Any write to the file changes its change time, so a stale digest is never used."""
+    st = os.stat(path)
+    stamp = [st.st_size, st.st_ino, st.st_dev, st.st_mtime_ns, st.st_ctime_ns]
+    memo = os.path.join(root, "digests", hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:32] + ".json")
+    try:
+        with open(memo) as fh:
+            seen = json.load(fh)
+        if seen["stamp"] == stamp:
+            return seen["sha256"]
+    except (OSError, ValueError, KeyError):
+        pass
     with open(path, "rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
+        digest = hashlib.file_digest(fh, "sha256").hexdigest()
+    try:
+        os.makedirs(os.path.dirname(memo), exist_ok=True)
+        tmp = f"{memo}.{os.getpid()}"
+        with open(tmp, "w") as fh:
+            json.dump({"path": os.path.abspath(path), "stamp": stamp, "sha256": digest}, fh)
+        os.replace(tmp, memo)
+    except OSError:
+        pass  # a memo that cannot be written only costs the next start a re-read
+    return digest
 
 
-def content_id(src: Source) -> dict:
+def content_id(src: Source, root: str) -> dict:
     """What the records are: every file's size and sha256 in order, or a hub dataset's id and fingerprint."""
     if src.builder == "hub":
         from launcher.data.files import load_hub
 
         return {"hub": src.path, "name": src.name, "split": src.split, "fingerprint": load_hub(src)._fingerprint}
-    return {"builder": src.builder, "files": [[os.path.getsize(f), file_digest(f)] for f in src.files]}
+    return {"builder": src.builder, "files": [[os.path.getsize(f), file_digest(f, root)] for f in src.files]}
 
 
 def tokenizer_id(tokenizer) -> str:
@@ -184,12 +207,14 @@ def _disk_need(src: Source) -> int:
     deleted once tokenized). Parquet holds its uncompressed size in its metadata."""
     raw = 0
     for f in src.files:
-        if src.builder == "parquet":
+        try:
+            if src.builder != "parquet":
+                raise ValueError
             import pyarrow.parquet as pq
 
             md = pq.ParquetFile(f).metadata
             raw += sum(md.row_group(i).total_byte_size for i in range(md.num_row_groups))
-        else:
+        except Exception:  # noqa: BLE001 (not parquet, or a damaged one: the read names it)
             raw += os.path.getsize(f)
     return int(raw * 1.6)  # + ids at 2 bytes per ~4 characters, offsets and masks
 
@@ -217,7 +242,7 @@ def tokenized(src: Source, settings: Settings, tokenizer, cache_dir: str, num_pr
     else built now (with a log line either way)."""
     root = cache_root(cache_dir)
     t0 = time.perf_counter()
-    data_key = _sha({"v": CACHE_VERSION, "content": content_id(src), "settings": settings.__dict__})[:24]
+    data_key = _sha({"v": CACHE_VERSION, "content": content_id(src, root), "settings": settings.__dict__})[:24]
     tok_key = tokenizer_id(tokenizer)
     parent = os.path.join(root, data_key)
     final = os.path.join(parent, tok_key)

@@ -18,16 +18,30 @@ import os
 from launcher.config import ConfigError
 from launcher.data.sources import Source
 
+
+def show(path: str) -> str:
+    """A path as messages print it: relative to the working directory when under it."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
 # ----------------------------------------------------------------------------------------------
 # Reading
+
+
+_HUB: dict = {}  # (id, name, split) -> dataset: asked for its fields, its fingerprint and its records once
 
 
 def load_hub(src: Source):
     """A hub dataset through ``load_dataset`` (name, config, split); a ConfigError when it cannot be had."""
     import datasets
 
+    key = (src.path, src.name, src.split)
     try:
-        return datasets.load_dataset(src.path, src.name or None, split=src.split)
+        if key not in _HUB:
+            _HUB.clear()  # one at a time: a dataset object is small, but keeps its Arrow files open
+            _HUB[key] = datasets.load_dataset(src.path, src.name or None, split=src.split)
+        return _HUB[key]
     except Exception as e:  # noqa: BLE001 (network, auth and missing-dataset errors have many types)
         msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
         raise ConfigError([f"{src.label}: not a local file or folder (looked for {os.path.abspath(src.path)}), and "
@@ -87,7 +101,7 @@ def diagnose(src: Source, encoding: str) -> str | None:
     """The first problem found in the source's shards, as 'label: shard, line: what; rule; fix', or None."""
     first_fields = None
     for f in src.files:
-        name = f if len(src.files) == 1 else f"shard {os.path.relpath(f)}"
+        name = f if len(src.files) == 1 else f"shard {show(f)}"
         where = src.label if len(src.files) == 1 else f"{src.label} {name}"
         if os.path.getsize(f) == 0:
             return f"{where} is empty (0 bytes); rule: every data file holds at least one record; fix: delete it"
@@ -121,7 +135,7 @@ def diagnose(src: Source, encoding: str) -> str | None:
             if first_fields is None:
                 first_fields = (fields, f)
             elif sorted(fields) != sorted(first_fields[0]):
-                return (f"{where} has fields {fields}, but {os.path.relpath(first_fields[1])} has {first_fields[0]}; "
+                return (f"{where} has fields {fields}, but {show(first_fields[1])} has {first_fields[0]}; "
                         "rule: the shards of one source hold the same fields; fix: rename the fields of that shard, "
                         "or make it a separate entry of data.sources")
     return None
@@ -197,7 +211,7 @@ def _json_problem(path: str, src: Source, encoding: str) -> str | None:
     """Why a .json file does not hold records (an array of objects, or JSON lines), or None if it does."""
     with open(path, encoding=encoding, errors="replace") as fh:
         text = fh.read()
-    where = src.label if len(src.files) == 1 else f"{src.label} shard {os.path.relpath(path)}"
+    where = src.label if len(src.files) == 1 else f"{src.label} shard {show(path)}"
     if text.lstrip().startswith("["):
         try:
             recs = json.loads(text)
@@ -279,7 +293,7 @@ def locate(src: Source, indices: list[int], encoding: str) -> dict[int, str]:
             where = []
         while want and want[0] < start + len(where):
             i = want.pop(0)
-            out[i] = f"{os.path.relpath(f)} {where[i - start]}"
+            out[i] = f"{show(f)} {where[i - start]}"
         start += len(where)
     for i in want:
         out[i] = f"record {i + 1}"

@@ -171,14 +171,16 @@ def load_sources(cfg: Config, sources: list[Source], vocab_size: int, tokenizer,
         cut = int((np.concatenate([st.lengths[k] for st, k in zip(stores, kept)]) > seq_len).sum())
         layout = ("packed padding-free into rows of seq_len at each step" if packed else "padded to seq_len")
         how_cut = f"one sample per record, {cut} cut at {seq_len} tokens, {layout}"
-    names = " + ".join(f"{s.short} ({formats[i]}, {len(kept[i]):,} records"
-                       + (f", weight {s.weight:g}" if len(sources) > 1 else "") + ")" for i, s in enumerate(sources))
-    fmt = formats[0] if len(set(formats)) == 1 else "mixed"
     skipped = f" ({total_dropped} skipped)" if total_dropped else ""
     masked = ("all tokens in the loss" if not instruction else
               "prompt tokens in the loss too (data.train_on_prompt)" if d.train_on_prompt else
               "prompt tokens masked out of the loss")
-    description = f"{names}: {n_kept:,} {fmt} records{skipped}, {how_cut}; {masked}"
+    if len(sources) == 1:
+        what = f"{sources[0].short}: {n_kept:,} {formats[0]} records{skipped}"
+    else:
+        what = " + ".join(f"{s.short} ({formats[i]}, {len(kept[i]):,} records, weight {s.weight:g})"
+                          for i, s in enumerate(sources)) + f": {len(rows):,} samples in the mixture{skipped}"
+    description = f"{what}, {how_cut}; {masked}"
     if len(sources) > 1:
         counts = np.bincount(src.astype(np.int64), minlength=len(sources))
         logger.info("data mixture: " + ", ".join(

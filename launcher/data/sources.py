@@ -92,7 +92,7 @@ def expand(path: str, key: str) -> tuple[tuple[str, ...], str]:
     for f in files:
         ext = os.path.splitext(f)[1].lower()
         if ext not in FILE_TYPES:
-            raise ConfigError([f"{key}: {os.path.relpath(f)} in {what} {path!r} has extension {ext or '(none)'!r}; "
+            raise ConfigError([f"{key}: {f} in {what} {path!r} has extension {ext or '(none)'!r}; "
                                f"rule: one of {_exts()}; fix: convert the file or rename it to the extension of its "
                                "format"], "data")
         kinds.setdefault(FILE_TYPES[ext], []).append(f)
