@@ -152,3 +152,41 @@ def test_batches_are_cut_from_the_memory_map(model_dir, tmp_path):
     assert b["input_ids"].shape == (2, 32) and b["input_ids"].dtype.is_floating_point is False
     stream = np.concatenate([store.ids(r) for r in range(4)])
     assert (b["input_ids"][0].numpy() == stream[:32]).all()
+
+
+@pytest.mark.slow
+def test_a_real_full_disk_while_caching(model_dir, tmp_path, monkeypatch):
+    """The cache on a 512 KiB tmpfs that fills up mid-build (root only; skipped elsewhere)."""
+    small = tmp_path / "small"
+    small.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(small)], capture_output=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.decode().strip() or 'needs root'}")
+    try:
+        monkeypatch.setattr("launcher.data.cache._disk_need", lambda src: 0)  # past the check before the build
+        src = write_jsonl(str(tmp_path / "d.jsonl"), qa_records(repeat=2000))  # 1.4 MiB: more than the disk holds
+        with pytest.raises(ConfigError) as e:
+            load(model_dir, src, small / "c")
+        assert "is full" in e.value.problems[0] and "partial one was removed" in e.value.problems[0]
+        assert markers(small / "c") == [] and not glob.glob(str(small / "c" / "*" / ".tmp-*"))
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+
+def test_a_start_that_finds_its_cache_never_imports_datasets(model_dir, tmp_path):
+    """Importing datasets costs seconds; a second start reads its cache with pyarrow alone."""
+    import pandas as pd
+
+    src = str(tmp_path / "d.parquet")
+    pd.DataFrame({"text": ["the cat sat on the mat ."] * 100}).to_parquet(src)
+    code = (f"import sys; sys.path.insert(0, {ROOT!r})\n"
+            "from launcher.config import load_config\nfrom launcher.models import load_tokenizer\n"
+            "from launcher.data import load_data, settle_formats\n"
+            f"cfg = settle_formats(load_config(None, ['model.name={model_dir}', 'data.source={src}', "
+            f"'data.seq_len=32', 'data.cache_dir={tmp_path / 'c'}']))\n"
+            "tok = load_tokenizer(cfg)\nn = len(load_data(cfg, len(tok), tok))\n"
+            "print(n, 'datasets' in sys.modules)\n")
+    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    second = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert first.stdout.split() == ["28", "True"], first.stderr  # tokenizing: datasets does it
+    assert second.stdout.split() == ["28", "False"], second.stderr

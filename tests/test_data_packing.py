@@ -148,21 +148,26 @@ def test_packed_and_padded_runs_have_the_same_losses(arch, request, tmp_path):
     assert all("tokens_in_loss_per_s" in x for x in rp)
 
 
+BOTH = ["llama", pytest.param("qwen2", marks=pytest.mark.slow)]  # one architecture per engine in the default run
+
+
 @needs_deepspeed
-def test_packed_equals_padded_on_deepspeed(llama, tmp_path):
-    r = runs(tmp_path, llama, "profile=zero2-fp32", engine="deepspeed")
+@pytest.mark.parametrize("arch", BOTH)
+def test_packed_equals_padded_on_deepspeed(arch, request, tmp_path):
+    r = runs(tmp_path, request.getfixturevalue(arch), "profile=zero2-fp32", engine="deepspeed")
     assert r["true"][0]["engine"] == "deepspeed"
     mx, _ = compare(losses(r["true"][1]), losses(r["false"][1]), "deepspeed packed vs padded")
     assert mx < TOL
 
 
-def test_packed_equals_padded_on_fsdp(llama, tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch", BOTH)
+def test_packed_equals_padded_on_fsdp(arch, request, tmp_path, monkeypatch):
     from launcher.profiles import PROFILES, Profile
 
     # fp32 FSDP exists for CPU tests only (tests/test_fsdp.py): bf16 is emulated and slow on most CPUs
     monkeypatch.setitem(PROFILES, "fsdp-fp32-offload", Profile("fsdp-fp32-offload", "fsdp", "fp32",
                                                                offload_optimizer=True, offload_param=True, speed_rank=3))
-    r = runs(tmp_path, llama, "profile=fsdp-fp32-offload", engine="fsdp")
+    r = runs(tmp_path, request.getfixturevalue(arch), "profile=fsdp-fp32-offload", engine="fsdp")
     assert r["true"][0]["engine"] == "fsdp"
     mx, _ = compare(losses(r["true"][1]), losses(r["false"][1]), "fsdp packed vs padded")
     assert mx < TOL

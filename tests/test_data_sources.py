@@ -244,3 +244,40 @@ def test_fewer_samples_than_one_global_batch(model_dir, tmp_path):
     p = problem(model_dir, f"data.source={src}", splits=True)
     assert "1 training samples" in p and "fewer than one global batch of 2" in p
     assert "train.global_batch_size=1" in p
+
+
+# ---- from the command line
+
+
+def test_mixture_and_cache_from_the_command_line(model_dir, tmp_path):
+    from helpers import run_cli
+
+    a = write_jsonl(str(tmp_path / "a.jsonl"), qa_records("prompt_response", repeat=2))
+    b = write_jsonl(str(tmp_path / "b.jsonl"), qa_records("messages", repeat=1))
+    args = ["train", f"model.name={model_dir}", f"data.sources=[{{path: {a}, weight: 2}}, {{path: {b}, weight: 1}}]",
+            "data.seq_len=64", "train.max_steps=2", "train.warmup_steps=0", "train.micro_batch_size=2",
+            "train.global_batch_size=4", "device=cpu", "engine=amp", "sample_tokens=0", "checkpoint.save=false",
+            f"output_dir={tmp_path / 'runs'}", "log.progress=off"]
+    env = {"VRAMFIT_CACHE": str(tmp_path / "cache")}
+    r = run_cli(*args, "run_name=one", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "data mixture: a.jsonl" in r.stderr and r.stderr.count(": tokenized ") == 2
+    s = json.load(open(tmp_path / "runs" / "one" / "summary.json"))
+    assert s["tokens_in_loss_per_s"] > 0 and s["tokens_per_s"] > s["tokens_in_loss_per_s"]
+    row = json.loads(open(tmp_path / "runs" / "one" / "metrics.jsonl").readline())
+    assert row["tokens_in_loss"] > 0 and row["tokens_in_loss_per_s"] > 0
+    r = run_cli(*args, "run_name=two", env=env)
+    assert r.returncode == 0 and r.stderr.count("reusing the tokenized cache") == 2, r.stderr
+
+
+def test_plan_reads_the_data_format_from_the_command_line(model_dir, tmp_path):
+    from helpers import run_cli
+
+    src = write_jsonl(str(tmp_path / "a.jsonl"), qa_records("alpaca", repeat=1))
+    base = ["plan", "--json", f"model.name={model_dir}", "device=cpu", "engine=amp"]
+    r = run_cli(*base, f"data.source={src}")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["settings"]["packed"] is True
+    r = run_cli(*base, f"data.source={tmp_path / 'elsewhere.jsonl'}")  # planning for another machine's files
+    assert r.returncode == 0 and json.loads(r.stdout)["settings"]["packed"] is False
+    assert "data not read here" in r.stderr
