@@ -245,3 +245,20 @@ def test_resumed_packed_run_matches_uninterrupted(llama, tmp_path):
     s2, resumed = run_inprocess(tmp_path / "b", *common, "run_name=cut", fast=False)
     assert s2["resumed_from"] and compare(losses(resumed), losses(full), "resumed vs full")[0] < TOL
     assert resumed[-1]["tokens_in_loss"] == full[-1]["tokens_in_loss"]
+
+
+@pytest.mark.slow
+def test_two_ranks_packed_match_one_rank(llama, tmp_path):
+    """Each rank packs its half of a step; the loss is still the mean over the whole step's tokens in the loss."""
+    from test_multirank import torchrun
+
+    src = write_jsonl(str(tmp_path / "d.jsonl"), qa(64))
+    common = [f"model.name={llama}", f"data.source={src}", "data.seq_len=64", "train.max_steps=4",
+              "train.warmup_steps=1", "train.micro_batch_size=2", "train.global_batch_size=8", "precision=fp32",
+              "profile=amp-fp32", "sample_tokens=0", "checkpoint.save=false", f"output_dir={tmp_path}", "device=cpu"]
+    r = torchrun(2, *common, "run_name=two")
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    two = [json.loads(x) for x in open(tmp_path / "two" / "metrics.jsonl")]
+    _, one = run_inprocess(tmp_path, *common, "run_name=one", fast=False)
+    assert compare(losses(two), losses(one), "2 ranks vs 1, packed")[0] < TOL
+    assert [x["tokens_in_loss"] for x in two] == [x["tokens_in_loss"] for x in one]

@@ -36,8 +36,9 @@ embeddings), each linear in depth, and the largest extrapolated one wins.
 
 Gradient checkpointing is traced directly: the meta trace only failed in transformers' packed-sequence
 detection (``Tensor.item()`` on the position ids, reached because checkpointing turns the KV cache off),
-which :func:`_no_packed_sequence_probe` stubs out for the trace; training batches here carry plain
-``arange`` positions, for which that probe answers "not packed" anyway.
+which :func:`_no_packed_sequence_probe` stubs out for meta tensors (plain ``arange`` positions are never packed).
+Packed batches (``packed``: padding-free instruction samples) are traced with the boolean ``[b, 1, s, s]`` mask
+that probe would have made on real tensors, and the fused kernels' per-layer bias made from it.
 """
 
 from __future__ import annotations
