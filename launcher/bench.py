@@ -36,6 +36,7 @@ import time
 
 from launcher import availability, planner
 from launcher.config import AUTO, Config, ConfigError, load_config
+from launcher.data import settle_formats
 from launcher.hardware import probe
 from launcher.log import logger
 from launcher.monitor import read_csv
@@ -161,7 +162,7 @@ def classify_failure(returncode: int, stderr: str, timed_out: bool) -> tuple[str
 def predict(path: str | None, overrides: list[str], profile: str, hw) -> dict:
     """The planner's peaks for these settings and profile, and whether they fit the budgets."""
     try:
-        cfg = load_config(path, [*overrides, f"profile={profile}"])
+        cfg = settle_formats(load_config(path, [*overrides, f"profile={profile}"]))  # packed batches planned as run
         plan = planner.plan(cfg, hw, profiles=[profile])
         row = plan.get(profile)
         return {"predicted_gpu_bytes": row.gpu_bytes if row.gpu_bytes else None, "predicted_cpu_bytes": row.cpu_bytes,

@@ -47,7 +47,7 @@ _CHUNK = 8 * 2**20
 # Settings a checkpoint cannot be resumed across: the shapes of what was saved and what the data is.
 FIXED_SETTINGS = ("model.name", "model.quantize", "lora.r", "lora.alpha", "lora.target_modules", "data.source",
                   "data.format", "data.seq_len", "data.packing", "data.num_samples", "data.vocab_size",
-                  "train.global_batch_size", "seed")
+                  "data.sources", "data.train_on_prompt", "data.chat_template", "train.global_batch_size", "seed")
 
 
 def _get(cfg, dotted: str):

@@ -118,7 +118,7 @@ def cmd_plan(args) -> int:
                            "GPUs; fix: add --compare-gpus"], "command line")
     if args.gpu and args.compare_gpus:
         raise ConfigError(["--gpu with --compare-gpus; rule: one GPU, or all of them; fix: drop one"], "command line")
-    cfg = load_config(path, overrides)
+    cfg = _settle_data_formats(load_config(path, overrides))
     spec = gpus.find(args.gpu) if args.gpu else None  # a bad name fails before anything is measured
     prices = compare.parse_prices(args.price) if args.compare_gpus else {}
     hw = with_nvme(probe(), cfg.memory.nvme_path)
@@ -146,6 +146,21 @@ def cmd_tune(args) -> int:
                     warmup=args.warmup, timeout=args.timeout)
     print(tune.table(doc), file=args.stdout)
     return 0
+
+
+def _settle_data_formats(cfg):
+    """``format: auto`` of the data resolved from one record, so the plan knows whether instruction samples are
+    packed; data that cannot be read here (planning for another machine) is planned as text, with a notice."""
+    from launcher.config import ConfigError
+    from launcher.data import settle_formats
+    from launcher.log import logger
+
+    try:
+        return settle_formats(cfg)
+    except ConfigError as e:
+        logger.info(f"data not read here ({e.problems[0]}); planned as text batches: set data.format to plan "
+                    "instruction batches")
+        return cfg
 
 
 def cmd_train(args) -> int:

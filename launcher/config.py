@@ -36,12 +36,13 @@ class ConfigError(ValueError):
 
 
 def _f(default, help: str, choices=None, min=None, max=None, auto: bool = False, number=None, above=None,
-       below=None, **kw):
+       below=None, items=None, **kw):
     """A schema field: default, one-line help, allowed values, bounds (``min``/``max`` inclusive,
     ``above``/``below`` exclusive, for values where the bound itself cannot train: Adam's beta of 1, an
-    epsilon of 0), whether 'auto' is allowed, and for 'auto' fields the number type of the other values."""
+    epsilon of 0), whether 'auto' is allowed, for 'auto' fields the number type of the other values, and for a
+    list of sections the section's dataclass (``items``)."""
     meta = {"help": help, "choices": choices, "min": min, "max": max, "auto": auto, "number": number,
-            "above": above, "below": below}
+            "above": above, "below": below, "items": items}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta, **kw)
     return field(default=default, metadata=meta, **kw)
@@ -74,16 +75,50 @@ class LoraConfig:
     target_modules: list = _f(["all-linear"], "Module names to adapt; 'all-linear' = every linear layer of the decoder.")
 
 
+RECORD_FORMATS = ("auto", "text", "prompt_response", "alpaca", "messages")
+CHAT_TEMPLATES = ("auto", "plain", "chatml", "zephyr", "llama3")
+
+
+@dataclass
+class SourceConfig:
+    """One entry of ``data.sources``: where records come from, how much of the mixture they make, how to read them."""
+
+    path: str = _f("", "A data file, a folder or glob of shards, or a hub dataset id.")
+    weight: float = _f(1.0, "Share of the mixture (weights are normalised over the sources; 0 leaves the source out).",
+                       min=0.0)
+    format: str = _f("auto", "Record format of this source (auto: from the fields).", choices=RECORD_FORMATS)
+    text_field: str = _f("", "Field of plain text records (empty: data.text_field).")
+    prompt_field: str = _f("", "Prompt field of prompt_response records (empty: data.prompt_field).")
+    response_field: str = _f("", "Response field of prompt_response records (empty: data.response_field).")
+    name: str = _f("", "Hub datasets only: the configuration name.")
+    split: str = _f("train", "Hub datasets only: the split.")
+
+
 @dataclass
 class DataConfig:
-    source: str = _f("synthetic", "'synthetic' (built-in learnable task) or a path to a jsonl/json/csv/parquet/txt file.")
+    source: str = _f("synthetic", "'synthetic' (built-in learnable task), a data file, a folder or glob of shards "
+                     "(jsonl, json, csv, parquet, txt, arrow), or a hub dataset id where the network allows.")
+    sources: list = _f([], "Several sources mixed by weight, [{path, weight, format, ...}] (docs/data.md); replaces "
+                       "data.source.", items=SourceConfig)
+    eval_source: str = _f("", "A separate eval source (a file, folder, glob or hub id); empty: data.eval_fraction.")
     format: str = _f("auto", "Record format: auto (from the fields), text, prompt_response, alpaca, messages.",
-                     choices=("auto", "text", "prompt_response", "alpaca", "messages"))
+                     choices=RECORD_FORMATS)
     text_field: str = _f("text", "Field holding plain text records.")
     prompt_field: str = _f("prompt", "Field holding the prompt of prompt_response records (masked out of the loss).")
     response_field: str = _f("response", "Field holding the response of prompt_response records (in the loss).")
     seq_len: int = _f(128, "Tokens per sample.", min=8)
-    packing: bool = _f(True, "Pack text records back to back into seq_len blocks (no padding waste).")
+    packing: bool = _f(True, "Pack samples back to back into seq_len blocks: text as one stream, instruction and chat "
+                       "samples padding-free (each attends only to itself); false: one sample per row, padded.")
+    train_on_prompt: bool = _f(False, "Train on prompt, system and user tokens too (padding never is).")
+    chat_template: str = _f("auto", "Template of messages records: auto (the tokenizer's, else plain 'role: content' "
+                            f"lines), {', '.join(CHAT_TEMPLATES[1:])}, or a Jinja file.")
+    encoding: str = _f("utf-8", "Text encoding of jsonl, json, csv and txt files (e.g. latin-1, cp1252, utf-16).")
+    max_invalid_fraction: float = _f(0.05, "Stop when more than this fraction of records is dropped as invalid (the "
+                                     "first ones are named with file, line and reason).", min=0.0, max=1.0)
+    cache_dir: str = _f("auto", "Tokenized-data cache, reused by later starts and resumes; auto: $VRAMFIT_CACHE/data "
+                        "or ~/.cache/vramfit/data.")
+    num_proc: Any = _f("auto", "Processes that tokenize a new source: auto (the CPU cores for large data, 1 for small) "
+                       "or a number.", min=1, auto=True, number=int)
     eval_fraction: float = _f(0.0, "Fraction of samples held out for eval loss (0 = no eval).", min=0.0, max=0.5)
     num_samples: int = _f(4096, "Samples the synthetic task generates.", min=16)
     vocab_size: int = _f(256, "Vocabulary of the synthetic task (must fit the model's).", min=8)
@@ -304,6 +339,9 @@ def _build(cls, raw: dict, prefix: str, problems: list[str]):
             problems.append(f"{full}: unknown key; rule: only schema keys are accepted; fix: {hint}")
             continue
         f = fields[key]
+        if f.metadata.get("items") is not None:  # a list of sections (data.sources)
+            kwargs[key] = _build_list(f.metadata["items"], value, full, problems)
+            continue
         sub = _section_type(cls, f) if dataclasses.is_dataclass(getattr(cls(), f.name)) else None
         if sub is not None:
             if not isinstance(value, dict):
@@ -316,6 +354,21 @@ def _build(cls, raw: dict, prefix: str, problems: list[str]):
             if out is not None:
                 kwargs[key] = out
     return cls(**kwargs)
+
+
+def _build_list(cls, value, full: str, problems: list[str]) -> list:
+    keys = ", ".join(x.name for x in dataclasses.fields(cls))
+    if not isinstance(value, (list, tuple)):
+        problems.append(f"{full}: got {value!r}; rule: a list of sections ({keys}); fix: {full}='[{{path: a.jsonl, "
+                        "weight: 1}]' or a YAML list")
+        return []
+    out = []
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            problems.append(f"{full}[{i}]: got {item!r}; rule: a section of keys ({keys}); fix: write {{path: {item}}}")
+            continue
+        out.append(_build(cls, item, f"{full}[{i}].", problems))
+    return out
 
 
 def parse_overrides(overrides: list[str]) -> dict:
@@ -459,6 +512,7 @@ def check(cfg: Config, world: int | None = None) -> list[str]:
         elif not os.access(where, os.W_OK | os.X_OK):
             problems.append(f"memory.nvme_path: got {nvme!r}, not writable by this user; rule: the swap files are "
                             f"written there; fix: a folder you can write (chmod u+w {nvme}), or memory.nvme_path=\"\"")
+    problems += check_data(cfg.data)
     if cfg.checkpoint.resume not in ("auto", "never") and not os.path.exists(cfg.checkpoint.resume):
         problems.append(f"checkpoint.resume: got {cfg.checkpoint.resume!r}; rule: auto, never, or an existing "
                         "checkpoint directory; fix: checkpoint.resume=auto")
@@ -493,6 +547,52 @@ def names_and_paths(cfg: Config) -> list[str]:
         problems.append(f"output_dir: got {cfg.output_dir!r}; rule: a directory this user can write ({there} is not "
                         "writable here); fix: output_dir=DIR on a writable disk")
     return problems
+
+
+def check_data(d: DataConfig) -> list[str]:
+    """The data section's cross-field rules (files themselves are checked when they are read)."""
+    import codecs
+
+    problems = []
+    if d.sources and d.source != "synthetic":
+        problems.append(f"data.sources: given together with data.source={d.source!r}; rule: one or the other; fix: "
+                        "move data.source into data.sources as {path: ...}, or drop data.sources")
+    for i, s in enumerate(d.sources):
+        if not s.path:
+            problems.append(f"data.sources[{i}].path: empty; rule: every source names a file, folder, glob or hub "
+                            f"dataset id; fix: data.sources[{i}].path=<where the records are>")
+    if d.sources and not any(s.weight > 0 for s in d.sources):
+        problems.append(f"data.sources: every weight is 0 ({', '.join(f'{s.weight:g}' for s in d.sources)}); rule: "
+                        "at least one source with weight > 0; fix: weight: 1 on the sources to train on")
+    if d.eval_source and d.eval_fraction > 0:
+        problems.append(f"data.eval_fraction: got {d.eval_fraction:g} with data.eval_source={d.eval_source!r}; rule: "
+                        "eval samples come from one or the other; fix: data.eval_fraction=0")
+    try:
+        codecs.lookup(d.encoding)
+    except LookupError:
+        problems.append(f"data.encoding: got {d.encoding!r}; rule: a Python codec name; fix: data.encoding=utf-8 (or "
+                        "latin-1, cp1252, utf-16: what the files were written in)")
+    if d.chat_template not in CHAT_TEMPLATES and not os.path.isfile(os.path.expanduser(d.chat_template)):
+        close = difflib.get_close_matches(d.chat_template, CHAT_TEMPLATES, n=1)
+        problems.append(f"data.chat_template: got {d.chat_template!r}; rule: {', '.join(CHAT_TEMPLATES)} or an existing "
+                        f"Jinja file; fix: data.chat_template={close[0] if close else 'auto'}")
+    return problems
+
+
+INSTRUCTION_FORMATS = RECORD_FORMATS[2:]
+
+
+def packs_samples(d: DataConfig) -> bool:
+    """Whether batches hold instruction samples packed padding-free (a block-diagonal attention mask): what the
+    planner plans. A format still ``auto`` counts as text; ``launcher.data.settle_formats`` reads the records and
+    resolves it before a run or a plan."""
+    if not d.packing:
+        return False
+    if d.sources:
+        formats = [s.format if s.format != "auto" else d.format for s in d.sources if s.weight > 0]
+    else:
+        formats = [] if d.source == "synthetic" else [d.format]
+    return bool(formats) and all(f in INSTRUCTION_FORMATS for f in formats)
 
 
 def auto_warmup_steps(max_steps: int) -> int:

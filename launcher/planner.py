@@ -26,7 +26,7 @@ import torch
 
 from launcher import availability, hfconfig, steptime, user_ds_config
 from launcher.availability import Availability
-from launcher.config import AUTO, Config, ConfigError
+from launcher.config import AUTO, Config, ConfigError, packs_samples
 from launcher.hardware import Hardware, pin_memory_ok
 from launcher.loss import HeadNotPlain, head_problem
 from launcher.memory.shape import count_params
@@ -174,11 +174,14 @@ def budgets(cfg: Config, hw: Hardware, device: str) -> tuple[int, int, dict]:
 
 def _attention_kernel(run: RunShape, dtype: torch.dtype) -> str:
     """The SDPA kernel the target runs: flash for 16-bit on capability >= 8, memory-efficient otherwise
-    (CUDA); CPU's flash kernel (without dropout; the trace falls back to math when dropout is on)."""
+    (CUDA); CPU's flash kernel (without dropout; the trace falls back to math when dropout is on). Packed samples
+    bring a mask, which CUDA's flash kernel does not take: the memory-efficient one runs."""
     if run.attn_implementation != "sdpa":
         return "math"
     if run.device == "cpu":
         return "flash"
+    if run.packed:
+        return "efficient"
     if dtype in (torch.float16, torch.bfloat16) and run.capability[0] >= 8:
         return "flash"
     return "efficient"
@@ -208,7 +211,7 @@ def _trace_settings(run: RunShape, family: str, micro_batch: int) -> TraceSettin
                          attention_kernel=kernel, gradient_checkpointing=run.checkpointing,
                          checkpoint_every=run.checkpoint_every if run.checkpointing else 1, lora_r=run.lora_r,
                          lora_targets=run.lora_targets, lora_dropout=run.lora_dropout, chunked_loss=run.chunked_loss,
-                         offload_activations=run.offload_activations)
+                         offload_activations=run.offload_activations, packed=run.packed)
 
 
 class PlanError(RuntimeError):
@@ -379,7 +382,7 @@ def make_shape(cfg: Config, hw: Hardware, avail: Availability, world: int = 1) -
                     head_problem=_head_problem(config, cfg.model.trust_remote_code),
                     offload_activations=cfg.memory.offload_activations == "on",
                     offload_mode=cfg.memory.offload_activations,
-                    nvme=hw.nvme if cfg.memory.nvme_path and hw.nvme else None)
+                    nvme=hw.nvme if cfg.memory.nvme_path and hw.nvme else None, packed=packs_samples(cfg.data))
 
 
 def _head_problem(config, trust_remote_code: bool) -> str | None:
@@ -591,7 +594,8 @@ def _settings(cfg: Config, run: RunShape, why_precision: str) -> dict:
             "gradient_checkpointing": cfg.model.gradient_checkpointing, "checkpoint_every": cfg.model.checkpoint_every,
             "max_steps": cfg.train.max_steps,
             "attn_implementation": run.attn_implementation, "lora_r": run.lora_r,
-            "lora_target_modules": list(run.lora_targets), "quantize": run.quantize, "optimizer": run.optimizer}
+            "lora_target_modules": list(run.lora_targets), "quantize": run.quantize, "optimizer": run.optimizer,
+            "packed": run.packed}
 
 
 def _assumptions(run: RunShape, machine: Machine | None = None) -> dict:

@@ -20,7 +20,7 @@ import torch
 from launcher import calibrate, dist, engines, generate, hfconfig, log, lora, plots, progress
 from launcher import checkpoint as ckpt
 from launcher.config import Config, ConfigError, to_yaml
-from launcher.data import load_data, micro_batches
+from launcher.data import load_splits, settle_formats
 from launcher.engines.base import StepResult
 from launcher.engines.deepspeed import restore_torch_functions
 from launcher.faults import Hooks, StopRequested, diagnose
@@ -44,7 +44,8 @@ class State:
     skipped: int = 0
     fallbacks: list = field(default_factory=list)
     resumed_from: str | None = None
-    tokens_seen: int = 0
+    tokens_seen: int = 0  # tokens processed, padding left out
+    tokens_in_loss: int = 0  # positions whose next token is in the loss
 
 
 def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -> dict:
@@ -65,6 +66,8 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.E
     hf_config = model_config(cfg)
     hfconfig.check_weights(cfg.model.name)
     lora.check(cfg, hf_config)  # bitsandbytes present when needed; LoRA target names exist (on a meta model)
+    asked = cfg  # what a checkpoint compares on resume: the settings as the user gave them
+    cfg = settle_formats(cfg)  # format auto -> what the records hold (one record read), so the plan knows the batches
     # this machine's measured speeds, when `vramfit doctor --calibrate` has run: the plan then picks the
     # fastest predicted setting that fits (never measured here: a training start stays fast)
     spec = resolve(cfg, hw, ranks.world, ranks.local_rank, machine=calibrate.calibration(measure=False))
@@ -74,11 +77,10 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.E
     hfconfig.check_seq_len(hf_config, seq_len)  # the planner (in resolve) checked it too: one rule for plan and train
     # ---- tokenizer, data, sample prompt: input problems surface before the run directory exists
     tokenizer = load_tokenizer(cfg)
-    data = load_data(cfg, hf_config.vocab_size, tokenizer)
-    train_data, eval_data = data.split(cfg.data.eval_fraction, cfg.seed)
+    train_data, eval_data = load_splits(cfg, hf_config.vocab_size, tokenizer, hf_config)
     sample_prompt = generate.prompt_ids(cfg, tokenizer, eval_data if eval_data is not None else train_data)
     rd, resume_from, run_name, damaged = prepare_run_dir(cfg, ranks, cleanup)
-    settings = ckpt.fixed_settings(cfg)
+    settings = ckpt.fixed_settings(asked)
     if resume_from:
         marker = ckpt.read_marker(resume_from)
         diff = ckpt.diff_settings(marker["settings"], settings)
@@ -118,7 +120,7 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.E
         torch.cuda.reset_peak_memory_stats(device)
     n_total, n_train = count_params(model)
     logger.info(f"model {cfg.model.name}: {n_total / 1e6:.2f}M parameters ({n_train / 1e6:.2f}M trainable); "
-                f"data: {len(train_data)} samples of {seq_len} tokens, {data.description}")
+                f"data: {len(train_data)} samples of up to {seq_len} tokens, {train_data.description}")
     logger.info(f"engine {engine.name}, profile {spec.profile.name}, optimizer {engine.optimizer_name}, micro-batch "
                 f"{spec.micro_batch} x accumulation {spec.accumulation} x {ranks.world} rank(s) = "
                 f"{cfg.train.global_batch_size}")
@@ -137,6 +139,7 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.E
                                "older checkpoint loads)") + "; nothing in the run directory was changed"]) from None
         st.step, st.first_loss, st.skipped = client["step"], client.get("first_loss"), client.get("skipped", 0)
         st.fallbacks, st.tokens_seen = client.get("fallbacks", []), client.get("tokens_seen", 0)
+        st.tokens_in_loss = client.get("tokens_in_loss", 0)
         rng = client["rng"]
         ckpt.set_rng_state(rng[min(ranks.rank, len(rng) - 1)] if isinstance(rng, list) else rng)
         st.resumed_from = resume_from
@@ -151,6 +154,7 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.E
     def save_checkpoint() -> str:
         client = {"step": st.step, "samples_seen": st.step * cfg.train.global_batch_size, "first_loss": st.first_loss,
                   "skipped": st.skipped, "fallbacks": st.fallbacks, "tokens_seen": st.tokens_seen,
+                  "tokens_in_loss": st.tokens_in_loss,
                   "rng": ranks.gather(ckpt.rng_state())}
         path = ckpt.save(engine, rd.checkpoints, st.step, client, settings, is_main=ranks.is_main,
                          barrier=ranks.barrier, keep_last=cfg.checkpoint.keep_last, extra={"rung": asdict(spec.rung)},
@@ -162,7 +166,6 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.E
     stop = StopRequested().install()
     status, diagnosis, last_ckpt = "completed", None, None
     t_start = time.perf_counter()
-    tokens_per_step = cfg.train.global_batch_size * seq_len
     peak_rss = psutil.Process().memory_info().rss
     loss, at_min_scale, last_scale = float("nan"), 0, None  # last_scale: fp16 loss scale after the last step
     bar = progress.Progress(cfg, st.step, ranks.is_main)
@@ -175,9 +178,9 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.E
                 if hooks.before_step:
                     hooks.before_step(st.step, engine)
                 mon.mark("forward", engine)  # model hooks split forward from backward
-                losses = [engine.forward_backward(train_data.batch(rows), spec.accumulation)
-                          for rows in micro_batches(st.step, cfg.train.global_batch_size, spec.micro_batch,
-                                                    ranks.rank, ranks.world, len(train_data), cfg.seed)]
+                batch = train_data.step(st.step, cfg.train.global_batch_size, spec.micro_batch, ranks.rank,
+                                        ranks.world, cfg.seed)  # this rank's micro-batches: stacked, padded or packed
+                losses = [engine.forward_backward(b, spec.accumulation) for b in batch.batches]
                 loss = ranks.mean(float(torch.stack(losses).mean()))
                 if hooks.after_backward:
                     hooks.after_backward(st.step, engine)
@@ -226,7 +229,8 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.E
                 spec = new_spec
                 continue
             st.step += 1
-            st.tokens_seen += tokens_per_step
+            st.tokens_seen += batch.tokens
+            st.tokens_in_loss += batch.tokens_in_loss
             st.skipped += int(result.skipped)
             if st.first_loss is None:
                 st.first_loss = loss
@@ -235,7 +239,8 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.E
             peak_rss = max(peak_rss, mem["cpu_rss_bytes"])
             row = {"step": st.step, "loss": loss, "lr": lr, "loss_scale": result.loss_scale,
                    "skipped": result.skipped, "grad_norm": result.grad_norm, "tokens": st.tokens_seen,
-                   "tokens_per_s": tokens_per_step / dt, **mem, "time_s": time.perf_counter() - t_start,
+                   "tokens_per_s": batch.tokens / dt, "tokens_in_loss": st.tokens_in_loss,
+                   "tokens_in_loss_per_s": batch.tokens_in_loss / dt, **mem, "time_s": time.perf_counter() - t_start,
                    "micro_batch": spec.micro_batch, **mon.end_step(st.step, mem)}
             rd.append_metrics(row)
             bar.update(row)  # a bar on a terminal, else a log line every log.every_steps
@@ -283,12 +288,15 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.E
             status, diagnosis = "failed", disk_advice(e, rd, last_ckpt)
     if diagnosis:
         (logger.error if status == "failed" else logger.info)(f"stopped: {diagnosis}")
-    measured = [m["tokens_per_s"] for m in rd.metrics()[1:]] if ranks.is_main else []
+    rows_after_first = rd.metrics()[1:] if ranks.is_main else []  # the first step pays one-time costs
+    measured = [m["tokens_per_s"] for m in rows_after_first]
+    in_loss = [m["tokens_in_loss_per_s"] for m in rows_after_first if m.get("tokens_in_loss_per_s") is not None]
     summary = {
         "status": status, "engine": engine.name, "profile": spec.profile.name, "precision": spec.precision,
         "device": str(device), "steps": st.step, "first_loss": st.first_loss, "final_loss": loss,
         "eval_loss": eval_loss,
-        "tokens_per_s": (sum(measured) / len(measured)) if measured else tokens_per_step * st.step / max(elapsed, 1e-9),
+        "tokens_per_s": (sum(measured) / len(measured)) if measured else st.tokens_seen / max(elapsed, 1e-9),
+        "tokens_in_loss_per_s": (sum(in_loss) / len(in_loss)) if in_loss else st.tokens_in_loss / max(elapsed, 1e-9),
         "peak_gpu_bytes": mon.peak_gpu_bytes(), "peak_gpu_reserved_bytes": mon.peak_gpu_reserved_bytes(),
         "peak_cpu_rss_bytes": peak_rss,
         "peak_gpu_init_bytes": init_peak_gpu,

@@ -95,7 +95,8 @@ def forward_loss(model, batch: dict, levers: Levers | None, autocast: torch.dtyp
 
 
 def batch_to(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    """Tensors to ``device``; other values (``num_items_in_batch``, ``use_cache``) go to the model as they are."""
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 def make_optimizer(params_or_groups, *, lr: float, betas, eps: float, device: torch.device, kind: str = "adamw"):

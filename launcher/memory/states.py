@@ -69,6 +69,7 @@ class RunShape:
     offload_activations: bool = False  # this setting offloads saved activations (launcher.actoffload)
     offload_mode: str = "off"  # memory.offload_activations: auto | on | off
     nvme: dict | None = None  # memory.nvme_path measured (launcher.hardware.probe_disk): free bytes, speeds
+    packed: bool = False  # instruction samples packed padding-free: a block-diagonal attention mask per layer
 
     @property
     def hidden(self) -> int:

@@ -36,8 +36,9 @@ embeddings), each linear in depth, and the largest extrapolated one wins.
 
 Gradient checkpointing is traced directly: the meta trace only failed in transformers' packed-sequence
 detection (``Tensor.item()`` on the position ids, reached because checkpointing turns the KV cache off),
-which :func:`_no_packed_sequence_probe` stubs out for the trace; training batches here carry plain
-``arange`` positions, for which that probe answers "not packed" anyway.
+which :func:`_no_packed_sequence_probe` stubs out for meta tensors (plain ``arange`` positions are never packed).
+Packed batches (``packed``: padding-free instruction samples) are traced with the boolean ``[b, 1, s, s]`` mask
+that probe would have made on real tensors, and the fused kernels' per-layer bias made from it.
 """
 
 from __future__ import annotations
@@ -124,14 +125,14 @@ class _FusedAttention(torch.autograd.Function):
     log-sum-exp per query row. Values are not computed (this is for meta tensors and measurement)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, lse_len: int, accum_dq: bool, causal: bool = False):
+    def forward(ctx, q, k, v, lse_len: int, accum_dq: bool, causal: bool = False, bias=None):
         if q.dim() == 4:  # the kernels write (batch, seq, heads, dim) and return it transposed
             b, h, s, _ = q.shape
             out = q.new_empty((b, s, h, v.shape[-1])).transpose(1, 2)
         else:
             out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
         lse = q.new_empty(q.shape[:-2] + (lse_len,), dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, *([bias] if bias is not None else []))
         ctx.accum_dq = accum_dq
         ctx.causal = causal
         _record_attention(q, k, v, ctx.causal, backward=False)
@@ -139,7 +140,7 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors[:5]
         _record_attention(q, k, v, ctx.causal, backward=True)
         delta = torch.empty_like(lse)  # rowsum(dO * O), fp32, both kernels
         dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device) if ctx.accum_dq else None
@@ -152,7 +153,15 @@ def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
                      enable_gqa=False, *, target: str, kernel: str):
     s = query.shape[-2]
     lse_len = -(-s // 32) * 32 if kernel == "efficient" else s
-    out = _FusedAttention.apply(query, key, value, lse_len, kernel == "flash" and target == "cuda", bool(is_causal))
+    bias = None
+    if attn_mask is not None and not attn_mask.requires_grad:
+        # A boolean mask (packed samples) is turned into an additive bias in the query's dtype on every call and
+        # kept for backward, one per layer; CUDA's memory-efficient kernel pads its last dimension to 16.
+        last = attn_mask.shape[-1] if kernel != "efficient" else -(-attn_mask.shape[-1] // 16) * 16
+        bias = (attn_mask.new_empty(attn_mask.shape[:-1] + (last,), dtype=query.dtype)
+                if attn_mask.dtype == torch.bool else attn_mask)
+    out = _FusedAttention.apply(query, key, value, lse_len, kernel == "flash" and target == "cuda", bool(is_causal),
+                                bias)
     if attn_mask is not None and attn_mask.requires_grad:  # a learned bias keeps its own gradient path
         out = out + 0 * attn_mask.sum()
     return out
@@ -415,7 +424,8 @@ def _no_packed_sequence_probe():
     if original is None:
         yield
         return
-    mu.find_packed_sequence_indices = lambda *a, **k: None
+    mu.find_packed_sequence_indices = lambda position_ids, *a, **k: (
+        None if position_ids.is_meta else original(position_ids, *a, **k))
     try:
         yield
     finally:
@@ -457,7 +467,7 @@ def _checkpoint_with_mode(checkpoint, fmode: _FunctionMode, state: dict, enter, 
 def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: torch.dtype | None = None,
                  autocast_policy: str = "cuda", attention_kernel: str = "math", target: str = "cuda",
                  real_autocast: bool = False, chunked_loss: bool = False,
-                 offload_activations: bool = False) -> StepTrace:
+                 offload_activations: bool = False, packed: bool = False) -> StepTrace:
     """Trace ``loss = model(input_ids, labels=input_ids).loss; loss.backward()`` and measure it.
 
     Works on meta and on real tensors (the tests compare the two). Only the loss outlives the forward,
@@ -469,6 +479,9 @@ def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: t
     (with checkpointing: around each checkpointed layer, as transformers' ``offload=True`` does), emulated
     on meta: the copy is a tensor of the tracker's ``offloaded`` category (off the device), and backward
     gets a new device tensor back for each unpack.
+    ``packed``: a batch of packed samples (padding-free), whose attention mask is block-diagonal: real tensors get
+    position ids restarting mid-row (transformers builds the mask from them), meta tensors the ``[b, 1, s, s]``
+    boolean mask that this makes, created inside the measured region as the real one is.
     """
     emulate = None if real_autocast else autocast_dtype
     t0 = time.perf_counter()
@@ -601,9 +614,18 @@ def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: t
         with _no_packed_sequence_probe(), tracker, hooks_ctx:
             autocast = (torch.autocast(autocast_policy, dtype=autocast_dtype) if real_autocast and autocast_dtype
                         else contextlib.nullcontext())
+            extra = {}
+            if packed:
+                b, s = input_ids.shape  # two samples per row: positions per row, so rotary tables per row too
+                dev = input_ids.device
+                extra["position_ids"] = torch.cat([torch.arange(s // 2, device=dev),
+                                                   torch.arange(s - s // 2, device=dev)]).expand(b, s)
+                if input_ids.is_meta:  # the packed-sequence probe cannot run on meta: the mask it would make
+                    extra["attention_mask"] = torch.ones(b, 1, s, s, dtype=torch.bool, device="meta")
             with fmode, autocast:
-                loss = causal_lm_loss(model, {"input_ids": input_ids, "labels": input_ids, "use_cache": False},
+                loss = causal_lm_loss(model, {"input_ids": input_ids, "labels": input_ids, "use_cache": False, **extra},
                                       chunked=chunked_loss, autocast_dtype=autocast_dtype)
+            extra.clear()
             # The mode is left before backward (a mode is switched off while it handles a call, so a
             # backward it intercepted would recompute checkpointed layers without it); the layer hooks
             # re-enter it for each recomputed layer.
@@ -654,6 +676,7 @@ class TraceSettings:
     lora_dropout: float = 0.0
     chunked_loss: bool = False  # head + cross-entropy in chunks (launcher.loss)
     offload_activations: bool = False  # saved activations to CPU memory (save_on_cpu / transformers' offload)
+    packed: bool = False  # packed samples: a block-diagonal attention mask (launcher.data.pack)
 
 
 @dataclass
@@ -730,7 +753,8 @@ def trace_depth(config, depth: int, s: TraceSettings, trust_remote_code: bool = 
     ids = torch.zeros(s.batch_size, s.seq_len, dtype=torch.long, device="meta")
     return measure_step(model, ids, autocast_dtype=s.autocast_dtype, autocast_policy=s.target,
                         attention_kernel=s.attention_kernel if s.attn_implementation == "sdpa" else "math",
-                        target=s.target, chunked_loss=s.chunked_loss, offload_activations=s.offload_activations)
+                        target=s.target, chunked_loss=s.chunked_loss, offload_activations=s.offload_activations,
+                        packed=s.packed)
 
 
 _TRACES: dict = {}
