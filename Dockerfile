@@ -37,7 +37,7 @@ COPY launcher ./launcher
 # DeepSpeed's CPU Adam op is compiled here, at image build time, not at the first offload run.
 # The project and its extras come from pyproject.toml; DeepSpeed is built against the torch above.
 RUN DS_BUILD_CPU_ADAM=1 pip install --no-build-isolation -c requirements/lock.txt deepspeed \
-    && pip install -c requirements/lock.txt ".[deepspeed,quant]" \
+    && pip install -c requirements/lock.txt ".[deepspeed,quant,kernels]" \
     && python -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
 
 COPY ds_configs ./ds_configs

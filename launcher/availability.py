@@ -85,8 +85,16 @@ def profile_problem(p: Profile, cfg: Config, hw: Hardware, device: torch.device)
     if p.engine != "amp":
         if cfg.model.quantize != "none":
             return f"model.quantize={cfg.model.quantize} (bitsandbytes) runs on the AMP path only"
-        if cfg.train.optimizer == "adamw8bit":
-            return "train.optimizer=adamw8bit (bitsandbytes) runs on the AMP path only"
+        if cfg.train.optimizer in ("adamw8bit", "paged_adamw8bit"):
+            return f"train.optimizer={cfg.train.optimizer} (bitsandbytes) runs on the AMP path only"
+    if p.nvme:
+        status = hw.async_io if hw.async_io != "not checked" else None
+        if status is None and cfg.memory.nvme_path and hw.deepspeed is not None:
+            from launcher.hardware import async_io_status
+
+            status = hw.async_io = async_io_status()
+        if status and status != "usable":
+            return f"DeepSpeed's async_io op, which NVMe offload needs, is {status}"
     if p.engine == "fsdp" and not fsdp_available():
         return "torch.distributed.fsdp.fully_shard is not available in this torch (2.6 or newer has it)"
     return None
@@ -153,6 +161,7 @@ class Availability:
 
 
 NO_GPU_TO_OFFLOAD = "offloads from a GPU to the CPU; there is no GPU"
+NO_NVME_PATH = "offloads to NVMe; memory.nvme_path is not set"
 
 
 def rank_key(p: Profile) -> tuple:
@@ -161,6 +170,12 @@ def rank_key(p: Profile) -> tuple:
 
 def assess(cfg: Config, hw: Hardware, local_rank: int = 0) -> Availability:
     device = device_for(cfg, hw, local_rank)
+    if cfg.train.optimizer == "paged_adamw8bit" and device.type != "cuda":
+        # bitsandbytes pages optimizer states through CUDA unified memory; a CPU has nothing to page from, and
+        # falling back silently would change the optimizer the user asked for
+        raise ConfigError([f"train.optimizer: got 'paged_adamw8bit' on {device.type}; rule: paged optimizers keep "
+                           "their states in CUDA unified memory and need a CUDA GPU; fix: train.optimizer=adamw8bit "
+                           "(the same 8-bit AdamW, not paged), or train on a GPU"])
     precision, why = precision_for(cfg, hw, device)
     problems, unwanted = {}, {}
     user = user_ds_config.load(cfg, precision) if cfg.deepspeed_config else None
@@ -182,6 +197,8 @@ def assess(cfg: Config, hw: Hardware, local_rank: int = 0) -> Availability:
             unwanted[p.name] = f"engine={cfg.engine} was asked"
         elif p.precision != precision:
             unwanted[p.name] = f"precision {p.precision}, the run is {precision}"
+        elif p.nvme and not cfg.memory.nvme_path:
+            unwanted[p.name] = NO_NVME_PATH
         elif device.type == "cpu" and p.offloads and not _asked_for(p, cfg):
             unwanted[p.name] = NO_GPU_TO_OFFLOAD
     return Availability(device, precision, why, problems, unwanted, user)

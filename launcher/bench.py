@@ -22,6 +22,7 @@ measured RSS peak is compared with it instead -- this is also what makes ``--fin
 
 Writes ``OUT/results.json`` (``{"results": [...], "hardware": {...}}``), ``OUT/results.md`` and
 ``OUT/results.png``, rewritten after every run, so a benchmark stopped by a time limit keeps what it has.
+``OUT`` must be new or empty: the results of an earlier benchmark there are never replaced.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import time
 
 from launcher import availability, planner
 from launcher.config import AUTO, Config, ConfigError, load_config
+from launcher.data import settle_formats
 from launcher.hardware import probe
 from launcher.log import logger
 from launcher.monitor import read_csv
@@ -160,7 +162,7 @@ def classify_failure(returncode: int, stderr: str, timed_out: bool) -> tuple[str
 def predict(path: str | None, overrides: list[str], profile: str, hw) -> dict:
     """The planner's peaks for these settings and profile, and whether they fit the budgets."""
     try:
-        cfg = load_config(path, [*overrides, f"profile={profile}"])
+        cfg = settle_formats(load_config(path, [*overrides, f"profile={profile}"]))  # packed batches planned as run
         plan = planner.plan(cfg, hw, profiles=[profile])
         row = plan.get(profile)
         return {"predicted_gpu_bytes": row.gpu_bytes if row.gpu_bytes else None, "predicted_cpu_bytes": row.cpu_bytes,
@@ -397,6 +399,31 @@ def write_outputs(doc: dict, out: str, with_png: bool = True) -> None:
 # ------------------------------------------------------------------------------------------------
 # Entry
 
+OUTPUTS = ("results.json", "results.md", "results.png", "runs", "logs")
+
+
+def out_problems(out: str) -> list[str]:
+    """``--out`` must be a new or empty directory: earlier results are never replaced without a word."""
+    if not os.path.exists(out):
+        return []
+    n = 2
+    while os.path.exists(f"{out}-{n}"):
+        n += 1
+    fix = f"fix: --out {out}-{n}, or move {out} away first"
+    if not os.path.isdir(out):
+        return [f"--out: got {out!r}, which is a file; rule: a directory for the results; {fix}"]
+    earlier = [n for n in OUTPUTS if os.path.exists(os.path.join(out, n))]
+    if earlier:
+        when = ""
+        try:
+            with open(os.path.join(out, "results.json")) as fh:
+                when = f" (started {json.load(fh)['settings']['started']})"
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        return [f"--out: {out!r} already holds the results of an earlier bench{when}: {', '.join(earlier)}; rule: a "
+                f"benchmark never replaces earlier results; {fix}"]
+    return []
+
 
 def main(path: str | None, overrides: list[str], profiles: str | None = None, out: str = "bench-out", steps: int = 10,
          warmup: int = 3, find: str | None = None, timeout: float = 1800.0, candidates: str | None = None) -> int:
@@ -407,6 +434,7 @@ def main(path: str | None, overrides: list[str], profiles: str | None = None, ou
     if warmup < 0:
         problems.append(f"--warmup: got {warmup}; rule: 0 or more; fix: --warmup 3")
     ignored = [o for o in overrides if o.split("=", 1)[0].strip() in OWN_KEYS[3:]]
+    problems += out_problems(out)
     if problems:
         raise ConfigError(problems, "bench options")
     cfg = load_config(path, overrides)  # every problem of the workload, once, before anything runs

@@ -14,9 +14,12 @@ import warnings
 
 from torch import nn
 
+from launcher import actoffload
 
-def enable(model: nn.Module, every: int = 1) -> None:
-    """Checkpoint every ``every``-th decoder layer of ``model`` (a transformers or peft model)."""
+
+def enable(model: nn.Module, every: int = 1, offload: bool = False, pin_memory: bool = False) -> None:
+    """Checkpoint every ``every``-th decoder layer of ``model`` (a transformers or peft model); ``offload``: the
+    checkpointed layers' inputs go to CPU memory (:mod:`launcher.actoffload`)."""
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
     kw = {"use_reentrant": False}
     new = getattr(base, "activation_checkpointing_enable", None)  # transformers 5.x; the old name warns
@@ -30,6 +33,8 @@ def enable(model: nn.Module, every: int = 1) -> None:
                 for i, layer in enumerate(_layers(base)):
                     layer.gradient_checkpointing = i % every == 0
     base.config.use_cache = False
+    if offload:
+        actoffload.offload_checkpointed_layers(_layers(base), pin_memory)
 
 
 def disable(model: nn.Module) -> None:

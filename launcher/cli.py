@@ -15,6 +15,7 @@ import sys
 
 from launcher import dist, log
 from launcher.config import ConfigError
+from launcher.rundir import DiskFull
 
 EPILOG = """config: an optional YAML file, then key=value overrides, e.g.
   vramfit train                                   # the built-in demo (tiny Llama, synthetic task)
@@ -110,7 +111,7 @@ def cmd_profiles(args) -> int:
 def cmd_plan(args) -> int:
     from launcher import advice, calibrate, compare, gpus, planner, report
     from launcher.config import load_config
-    from launcher.hardware import probe
+    from launcher.hardware import probe, with_nvme
 
     path, overrides = _split_config(args.config)
     out = args.stdout
@@ -119,10 +120,10 @@ def cmd_plan(args) -> int:
                            "GPUs; fix: add --compare-gpus"], "command line")
     if args.gpu and args.compare_gpus:
         raise ConfigError(["--gpu with --compare-gpus; rule: one GPU, or all of them; fix: drop one"], "command line")
-    cfg = load_config(path, overrides)
+    cfg = _settle_data_formats(load_config(path, overrides))
     spec = gpus.find(args.gpu) if args.gpu else None  # a bad name fails before anything is measured
     prices = compare.parse_prices(args.price) if args.compare_gpus else {}
-    hw = probe()
+    hw = with_nvme(probe(), cfg.memory.nvme_path)
     world = dist.current().world
     if args.compare_gpus:
         rows = compare.compare(cfg, hw, calibrate.load_or_calibrate(), prices, world=world)
@@ -147,6 +148,21 @@ def cmd_tune(args) -> int:
                     warmup=args.warmup, timeout=args.timeout)
     print(tune.table(doc), file=args.stdout)
     return 0
+
+
+def _settle_data_formats(cfg):
+    """``format: auto`` of the data resolved from one record, so the plan knows whether instruction samples are
+    packed; data that cannot be read here (planning for another machine) is planned as text, with a notice."""
+    from launcher.config import ConfigError
+    from launcher.data import settle_formats
+    from launcher.log import logger
+
+    try:
+        return settle_formats(cfg)
+    except ConfigError as e:
+        logger.info(f"data not read here ({e.problems[0]}); planned as text batches: set data.format to plan "
+                    "instruction batches")
+        return cfg
 
 
 def cmd_train(args) -> int:
@@ -273,14 +289,20 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\.")
     argv = strip_local_rank(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
-    log.setup(rank=dist.current().rank)
     try:
+        log.setup(rank=dist.current().rank)
         with results_stdout() as args.stdout:
             return args.fn(args)
+    except dist.EnvError as e:  # no rank to go by: every process says it
+        print(f"vramfit: {e}", file=sys.stderr)
+        return 2
     except ConfigError as e:
         if dist.current().is_main:  # every rank finds the same problems: one copy is enough
             print(f"vramfit: {e}", file=sys.stderr)
         return 2
+    except DiskFull as e:  # a write outside the loop (the loop itself ends such a run with a summary)
+        print(f"vramfit: {e}; fix: free space there or choose another output_dir", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

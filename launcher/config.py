@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, get_origin
 
@@ -33,10 +35,14 @@ class ConfigError(ValueError):
         super().__init__("\n".join([head] + [f"  - {p}" for p in self.problems]))
 
 
-def _f(default, help: str, choices=None, min=None, max=None, auto: bool = False, number=None, **kw):
-    """A schema field: default, one-line help, allowed values, bounds, whether 'auto' is allowed, and for
-    'auto' fields the number type (int or float) of the other values."""
-    meta = {"help": help, "choices": choices, "min": min, "max": max, "auto": auto, "number": number}
+def _f(default, help: str, choices=None, min=None, max=None, auto: bool = False, number=None, above=None,
+       below=None, items=None, **kw):
+    """A schema field: default, one-line help, allowed values, bounds (``min``/``max`` inclusive,
+    ``above``/``below`` exclusive, for values where the bound itself cannot train: Adam's beta of 1, an
+    epsilon of 0), whether 'auto' is allowed, for 'auto' fields the number type of the other values, and for a
+    list of sections the section's dataclass (``items``)."""
+    meta = {"help": help, "choices": choices, "min": min, "max": max, "auto": auto, "number": number,
+            "above": above, "below": below, "items": items}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta, **kw)
     return field(default=default, metadata=meta, **kw)
@@ -68,20 +74,54 @@ class ModelConfig:
 class LoraConfig:
     r: int = _f(0, "LoRA rank; 0 turns LoRA off (full fine-tune).", min=0)
     alpha: float = _f(16.0, "LoRA scaling numerator (scale = alpha / r).", min=0)
-    dropout: float = _f(0.0, "Dropout on the LoRA input.", min=0.0, max=1.0)
+    dropout: float = _f(0.0, "Dropout on the LoRA input.", min=0.0, below=1.0)  # 1: the adapters see only zeros
     target_modules: list = _f(["all-linear"], "Module names to adapt; 'all-linear' = every linear layer of the decoder.")
+
+
+RECORD_FORMATS = ("auto", "text", "prompt_response", "alpaca", "messages")
+CHAT_TEMPLATES = ("auto", "plain", "chatml", "zephyr", "llama3")
+
+
+@dataclass
+class SourceConfig:
+    """One entry of ``data.sources``: where records come from, how much of the mixture they make, how to read them."""
+
+    path: str = _f("", "A data file, a folder or glob of shards, or a hub dataset id.")
+    weight: float = _f(1.0, "Share of the mixture (weights are normalised over the sources; 0 leaves the source out).",
+                       min=0.0)
+    format: str = _f("auto", "Record format of this source (auto: from the fields).", choices=RECORD_FORMATS)
+    text_field: str = _f("", "Field of plain text records (empty: data.text_field).")
+    prompt_field: str = _f("", "Prompt field of prompt_response records (empty: data.prompt_field).")
+    response_field: str = _f("", "Response field of prompt_response records (empty: data.response_field).")
+    name: str = _f("", "Hub datasets only: the configuration name.")
+    split: str = _f("train", "Hub datasets only: the split.")
 
 
 @dataclass
 class DataConfig:
-    source: str = _f("synthetic", "'synthetic' (built-in learnable task) or a path to a jsonl/json/csv/parquet/txt file.")
+    source: str = _f("synthetic", "'synthetic' (built-in learnable task), a data file, a folder or glob of shards "
+                     "(jsonl, json, csv, parquet, txt, arrow), or a hub dataset id where the network allows.")
+    sources: list = _f([], "Several sources mixed by weight, [{path, weight, format, ...}] (docs/data.md); replaces "
+                       "data.source.", items=SourceConfig)
+    eval_source: str = _f("", "A separate eval source (a file, folder, glob or hub id); empty: data.eval_fraction.")
     format: str = _f("auto", "Record format: auto (from the fields), text, prompt_response, alpaca, messages.",
-                     choices=("auto", "text", "prompt_response", "alpaca", "messages"))
+                     choices=RECORD_FORMATS)
     text_field: str = _f("text", "Field holding plain text records.")
     prompt_field: str = _f("prompt", "Field holding the prompt of prompt_response records (masked out of the loss).")
     response_field: str = _f("response", "Field holding the response of prompt_response records (in the loss).")
     seq_len: int = _f(128, "Tokens per sample.", min=8)
-    packing: bool = _f(True, "Pack text records back to back into seq_len blocks (no padding waste).")
+    packing: bool = _f(True, "Pack samples back to back into seq_len blocks: text as one stream, instruction and chat "
+                       "samples padding-free (each attends only to itself); false: one sample per row, padded.")
+    train_on_prompt: bool = _f(False, "Train on prompt, system and user tokens too (padding never is).")
+    chat_template: str = _f("auto", "Template of messages records: auto (the tokenizer's, else plain 'role: content' "
+                            f"lines), {', '.join(CHAT_TEMPLATES[1:])}, or a Jinja file.")
+    encoding: str = _f("utf-8", "Text encoding of jsonl, json, csv and txt files (e.g. latin-1, cp1252, utf-16).")
+    max_invalid_fraction: float = _f(0.05, "Stop when more than this fraction of records is dropped as invalid (the "
+                                     "first ones are named with file, line and reason).", min=0.0, max=1.0)
+    cache_dir: str = _f("auto", "Tokenized-data cache, reused by later starts and resumes; auto: $VRAMFIT_CACHE/data "
+                        "or ~/.cache/vramfit/data.")
+    num_proc: Any = _f("auto", "Processes that tokenize a new source: auto (the CPU cores for large data, 1 for small) "
+                       "or a number.", min=1, auto=True, number=int)
     eval_fraction: float = _f(0.0, "Fraction of samples held out for eval loss (0 = no eval).", min=0.0, max=0.5)
     num_samples: int = _f(4096, "Samples the synthetic task generates.", min=16)
     vocab_size: int = _f(256, "Vocabulary of the synthetic task (must fit the model's).", min=8)
@@ -93,17 +133,19 @@ class TrainConfig:
     micro_batch_size: Any = _f(8, "Samples per forward/backward per rank (int, or 'auto' to take the planner's).",
                                min=1, auto=True)
     global_batch_size: int = _f(16, "Samples per optimizer step over all ranks = micro x accumulation x world.", min=1)
-    lr: float = _f(3e-3, "Peak learning rate.", min=0.0)
+    lr: float = _f(3e-3, "Peak learning rate.", above=0.0)
     min_lr_ratio: float = _f(0.1, "Cosine schedule ends at lr x this.", min=0.0, max=1.0)
     warmup_steps: Any = _f(AUTO, "Linear warmup steps before the cosine decay; auto = 10% of train.max_steps.", min=0,
                            auto=True, number=int)
     weight_decay: float = _f(0.0, "AdamW weight decay, applied to matrices only (not norms and biases).", min=0.0)
-    beta1: float = _f(0.9, "AdamW beta1.", min=0.0, max=1.0)
-    beta2: float = _f(0.95, "AdamW beta2.", min=0.0, max=1.0)
-    eps: float = _f(1e-8, "AdamW epsilon.", min=0.0)
+    beta1: float = _f(0.9, "AdamW beta1.", min=0.0, below=1.0)  # 1: bias correction m / (1 - 1**t) = 0/0
+    beta2: float = _f(0.95, "AdamW beta2.", min=0.0, below=1.0)  # 1: v / (1 - 1**t) = 0/0: NaN at step 1
+    eps: float = _f(1e-8, "AdamW epsilon.", above=0.0)  # 0: a parameter whose gradient is 0 divides 0 by 0
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this (0 = off).", min=0.0)
     eval_every: int = _f(0, "Eval loss every N steps (0 = only at the end when an eval split exists).", min=0)
-    optimizer: str = _f("adamw", "adamw, or adamw8bit (bitsandbytes, AMP path only).", choices=("adamw", "adamw8bit"))
+    optimizer: str = _f("adamw", "adamw, adamw8bit (bitsandbytes, AMP path only), or paged_adamw8bit (bitsandbytes' "
+                        "paged 8-bit AdamW: states in CUDA unified memory that pages to the CPU under pressure; CUDA "
+                        "and the AMP path only).", choices=("adamw", "adamw8bit", "paged_adamw8bit"))
     threads: Any = _f(AUTO, "Intra-op CPU threads of the training process (matmuls, the optimizer step): auto = the "
                       "cores other processes leave free (measured at start), or a number.", min=1, auto=True,
                       number=int)
@@ -116,7 +158,7 @@ class LossScaleConfig:
     initial_power: int = _f(16, "fp16 dynamic loss scale starts at 2**initial_power.", min=0, max=32)
     window: int = _f(1000, "Overflow-free steps before the scale doubles.", min=1)
     hysteresis: int = _f(2, "Overflows tolerated before the scale halves (DeepSpeed).", min=1)
-    min_scale: float = _f(1.0, "The scale never goes below this.", min=0.0)
+    min_scale: float = _f(1.0, "The scale never goes below this.", above=0.0)  # 0: a loss scaled to 0 trains nothing
     patience: int = _f(10, "Overflowing steps in a row at min_scale before the run stops (checkpoint + diagnosis).", min=1)
 
 
@@ -125,6 +167,20 @@ class MemoryConfig:
     gpu_budget: Any = _f("auto", "GPU memory budget in GiB, or 'auto' (free memory now minus margin).", min=0.1, auto=True)
     cpu_budget: Any = _f("auto", "CPU RAM budget in GiB, or 'auto' (available RAM minus margin).", min=0.1, auto=True)
     margin: float = _f(0.1, "Safety margin taken off auto budgets (fraction).", min=0.0, max=0.9)
+    offload_activations: str = _f("auto", "Activations saved for backward go to CPU memory in the forward and come "
+                                  "back in the backward (with checkpointing: only the checkpointed layers' inputs); "
+                                  "on, off, or auto (the planner turns it on when nothing fits without it). Exact; "
+                                  "costs two copies of those bytes per micro-batch.", choices=("auto", "on", "off"))
+    nvme_path: str = _f("", "A folder on a fast local disk for ZeRO-Infinity's NVMe offload profiles "
+                        "(zero3-*-offload-nvme-*); empty = those profiles are off.")
+
+
+@dataclass
+class LossConfig:
+    chunked: str = _f("auto", "Output head + cross-entropy in chunks of the sequence, so the micro x seq x vocab "
+                      "logits never exist (same loss and gradients; one extra head matmul per step): on, off, or "
+                      "auto (on when the plain logits would take over 10% of the memory budget).",
+                      choices=("auto", "on", "off"))
 
 
 @dataclass
@@ -169,6 +225,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -266,6 +323,13 @@ def _coerce(key: str, value: Any, f: dataclasses.Field, problems: list[str]):
         if hi is not None and out > hi:
             problems.append(f"{key}: got {out!r}; rule: must be <= {hi}; fix: {key}={hi}")
             return None
+        # an open bound cannot be offered as the fix: the default is (for lr, betas, eps, dropout, scale)
+        if meta.get("above") is not None and out <= meta["above"]:
+            problems.append(f"{key}: got {out!r}; rule: must be > {meta['above']}; fix: {key}={f.default}")
+            return None
+        if meta.get("below") is not None and out >= meta["below"]:
+            problems.append(f"{key}: got {out!r}; rule: must be < {meta['below']}; fix: {key}={f.default}")
+            return None
     return out
 
 
@@ -281,6 +345,9 @@ def _build(cls, raw: dict, prefix: str, problems: list[str]):
             problems.append(f"{full}: unknown key; rule: only schema keys are accepted; fix: {hint}")
             continue
         f = fields[key]
+        if f.metadata.get("items") is not None:  # a list of sections (data.sources)
+            kwargs[key] = _build_list(f.metadata["items"], value, full, problems)
+            continue
         sub = _section_type(cls, f) if dataclasses.is_dataclass(getattr(cls(), f.name)) else None
         if sub is not None:
             if not isinstance(value, dict):
@@ -293,6 +360,21 @@ def _build(cls, raw: dict, prefix: str, problems: list[str]):
             if out is not None:
                 kwargs[key] = out
     return cls(**kwargs)
+
+
+def _build_list(cls, value, full: str, problems: list[str]) -> list:
+    keys = ", ".join(x.name for x in dataclasses.fields(cls))
+    if not isinstance(value, (list, tuple)):
+        problems.append(f"{full}: got {value!r}; rule: a list of sections ({keys}); fix: {full}='[{{path: a.jsonl, "
+                        "weight: 1}]' or a YAML list")
+        return []
+    out = []
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            problems.append(f"{full}[{i}]: got {item!r}; rule: a section of keys ({keys}); fix: write {{path: {item}}}")
+            continue
+        out.append(_build(cls, item, f"{full}[{i}].", problems))
+    return out
 
 
 def parse_overrides(overrides: list[str]) -> dict:
@@ -385,22 +467,33 @@ def check(cfg: Config, world: int | None = None) -> list[str]:
     if cfg.model.quantize != "none" and cfg.engine in ("deepspeed", "fsdp"):
         problems.append(f"model.quantize: got {cfg.model.quantize!r} with engine={cfg.engine}; rule: bitsandbytes "
                         "quantized weights train on the AMP path only; fix: engine=auto or engine=amp")
-    if t.optimizer == "adamw8bit" and cfg.engine in ("deepspeed", "fsdp"):
-        problems.append(f"train.optimizer: got 'adamw8bit' with engine={cfg.engine}; rule: 8-bit AdamW runs on the "
+    if t.optimizer in ("adamw8bit", "paged_adamw8bit") and cfg.engine in ("deepspeed", "fsdp"):
+        problems.append(f"train.optimizer: got {t.optimizer!r} with engine={cfg.engine}; rule: 8-bit AdamW runs on the "
                         "AMP path only; fix: engine=auto or engine=amp, or train.optimizer=adamw")
-    if cfg.profile != AUTO:
-        if cfg.profile not in PROFILES:
-            close = difflib.get_close_matches(cfg.profile, list(PROFILES), n=1)
-            problems.append(f"profile: got {cfg.profile!r}; rule: auto or one of {', '.join(PROFILES)}; "
-                            f"fix: profile={close[0] if close else 'auto'}")
-        else:
-            p = PROFILES[cfg.profile]
-            if cfg.engine not in (AUTO, p.engine):
-                problems.append(f"engine: got {cfg.engine!r} with profile={cfg.profile} (a {p.engine} profile); "
-                                f"rule: they must agree; fix: engine=auto or engine={p.engine}")
-            if cfg.precision not in (AUTO, p.precision):
-                problems.append(f"precision: got {cfg.precision!r} with profile={cfg.profile} ({p.precision}); "
-                                f"rule: they must agree; fix: precision=auto or precision={p.precision}")
+    if cfg.profile in PROFILES:  # an unknown name is reported by names_and_paths
+        p = PROFILES[cfg.profile]
+        if cfg.engine not in (AUTO, p.engine):
+            problems.append(f"engine: got {cfg.engine!r} with profile={cfg.profile} (a {p.engine} profile); "
+                            f"rule: they must agree; fix: engine=auto or engine={p.engine}")
+        if p.nvme and not cfg.memory.nvme_path:
+            problems.append(f"profile: got {cfg.profile!r} without memory.nvme_path; rule: an NVMe offload profile "
+                            "swaps into a folder on a fast disk; fix: memory.nvme_path=/path/on/nvme, or "
+                            f"profile={cfg.profile.replace('-nvme-opt', '-all').replace('-nvme-all', '-all')}")
+        if cfg.precision not in (AUTO, p.precision):
+            problems.append(f"precision: got {cfg.precision!r} with profile={cfg.profile} ({p.precision}); "
+                            f"rule: they must agree; fix: precision=auto or precision={p.precision}")
+    if cfg.lora.r > 0 and cfg.lora.alpha == 0:
+        problems.append(f"lora.alpha: got 0 with lora.r={cfg.lora.r}; rule: the adapters' output is scaled by "
+                        f"alpha / r, so 0 trains nothing; fix: lora.alpha={2 * cfg.lora.r}")
+    if t.lr * t.weight_decay >= 1:
+        problems.append(f"train.weight_decay: got {t.weight_decay:g} with train.lr={t.lr:g}; rule: AdamW multiplies "
+                        f"every weight by 1 - lr x weight_decay each step, which must stay above 0; fix: "
+                        f"train.weight_decay={min(0.1, 0.5 / t.lr):g}")
+    ls = cfg.loss_scale
+    if ls.min_scale > 2.0 ** ls.initial_power:
+        problems.append(f"loss_scale.min_scale: got {ls.min_scale:g} above the initial scale 2**{ls.initial_power} = "
+                        f"{2.0 ** ls.initial_power:g}; rule: the floor cannot be above the start; fix: "
+                        f"loss_scale.min_scale=1 or loss_scale.initial_power={min(32, math.ceil(math.log2(ls.min_scale)))}")
     if cfg.deepspeed_config:
         # The file is read here; what DeepSpeed's config models and vramfit's settings say about it is checked
         # by launcher.user_ds_config before the plan (it needs DeepSpeed and the resolved precision).
@@ -415,10 +508,97 @@ def check(cfg: Config, world: int | None = None) -> list[str]:
             problems.append(f"engine: got {cfg.engine!r} with deepspeed_config={cfg.deepspeed_config}; rule: a DeepSpeed "
                             "config runs on the DeepSpeed engine; fix: engine=auto or engine=deepspeed, or "
                             "deepspeed_config=\"\"")
+    nvme = cfg.memory.nvme_path
+    if nvme:
+        where = os.path.expanduser(nvme)
+        if not os.path.isdir(where):
+            problems.append(f"memory.nvme_path: got {nvme!r}, no such folder; rule: an existing folder on a fast local "
+                            f"disk (ZeRO-Infinity swaps optimizer states and parameters into it); fix: mkdir -p {nvme}, "
+                            "or memory.nvme_path=\"\" to leave NVMe offload off")
+        elif not os.access(where, os.W_OK | os.X_OK):
+            problems.append(f"memory.nvme_path: got {nvme!r}, not writable by this user; rule: the swap files are "
+                            f"written there; fix: a folder you can write (chmod u+w {nvme}), or memory.nvme_path=\"\"")
+    problems += check_data(cfg.data)
     if cfg.checkpoint.resume not in ("auto", "never") and not os.path.exists(cfg.checkpoint.resume):
         problems.append(f"checkpoint.resume: got {cfg.checkpoint.resume!r}; rule: auto, never, or an existing "
                         "checkpoint directory; fix: checkpoint.resume=auto")
     return problems
+
+
+def names_and_paths(cfg: Config) -> list[str]:
+    """Problems of single values that need more than the schema: the profile's name (checked with the other
+    names, so every wrong one is reported at once), run_name (one directory name) and output_dir (a
+    directory that can be made and written). Checked before planning, by every command."""
+    problems = []
+    if cfg.profile != AUTO and cfg.profile not in PROFILES:
+        close = difflib.get_close_matches(cfg.profile, list(PROFILES), n=1)
+        problems.append(f"profile: got {cfg.profile!r}; rule: auto or one of {', '.join(PROFILES)}; "
+                        f"fix: profile={close[0] if close else 'auto'}")
+    name = cfg.run_name
+    parts = [p for p in re.split(r"[/\\]", name) if p not in ("", ".", "..")]
+    if name and (name in (".", "..") or "/" in name or os.sep in name or "\0" in name or len(name.encode()) > 255):
+        problems.append(f"run_name: got {name!r}; rule: one directory name under output_dir (no '/', not '.' or "
+                        f"'..', at most 255 bytes), so a run never lands outside it; fix: run_name="
+                        f"{'-'.join(parts)[:255] or 'run'} (and output_dir=DIR to choose where runs go)")
+    out = os.path.abspath(os.path.expanduser(cfg.output_dir or "."))
+    there = out
+    while not os.path.exists(there) and os.path.dirname(there) != there:
+        there = os.path.dirname(there)
+    if not os.path.isdir(there):
+        what = "is a file" if there == out else f"cannot be made: {there} is a file"
+        problems.append(f"output_dir: got {cfg.output_dir!r}, which {what}; rule: output_dir is a directory that "
+                        f"holds one directory per run; fix: output_dir={os.path.dirname(there) or '.'}/runs, or "
+                        "another directory")
+    elif not os.access(there, os.W_OK | os.X_OK):
+        problems.append(f"output_dir: got {cfg.output_dir!r}; rule: a directory this user can write ({there} is not "
+                        "writable here); fix: output_dir=DIR on a writable disk")
+    return problems
+
+
+def check_data(d: DataConfig) -> list[str]:
+    """The data section's cross-field rules (files themselves are checked when they are read)."""
+    import codecs
+
+    problems = []
+    if d.sources and d.source != "synthetic":
+        problems.append(f"data.sources: given together with data.source={d.source!r}; rule: one or the other; fix: "
+                        "move data.source into data.sources as {path: ...}, or drop data.sources")
+    for i, s in enumerate(d.sources):
+        if not s.path:
+            problems.append(f"data.sources[{i}].path: empty; rule: every source names a file, folder, glob or hub "
+                            f"dataset id; fix: data.sources[{i}].path=<where the records are>")
+    if d.sources and not any(s.weight > 0 for s in d.sources):
+        problems.append(f"data.sources: every weight is 0 ({', '.join(f'{s.weight:g}' for s in d.sources)}); rule: "
+                        "at least one source with weight > 0; fix: weight: 1 on the sources to train on")
+    if d.eval_source and d.eval_fraction > 0:
+        problems.append(f"data.eval_fraction: got {d.eval_fraction:g} with data.eval_source={d.eval_source!r}; rule: "
+                        "eval samples come from one or the other; fix: data.eval_fraction=0")
+    try:
+        codecs.lookup(d.encoding)
+    except LookupError:
+        problems.append(f"data.encoding: got {d.encoding!r}; rule: a Python codec name; fix: data.encoding=utf-8 (or "
+                        "latin-1, cp1252, utf-16: what the files were written in)")
+    if d.chat_template not in CHAT_TEMPLATES and not os.path.isfile(os.path.expanduser(d.chat_template)):
+        close = difflib.get_close_matches(d.chat_template, CHAT_TEMPLATES, n=1)
+        problems.append(f"data.chat_template: got {d.chat_template!r}; rule: {', '.join(CHAT_TEMPLATES)} or an existing "
+                        f"Jinja file; fix: data.chat_template={close[0] if close else 'auto'}")
+    return problems
+
+
+INSTRUCTION_FORMATS = RECORD_FORMATS[2:]
+
+
+def packs_samples(d: DataConfig) -> bool:
+    """Whether batches hold instruction samples packed padding-free (a block-diagonal attention mask): what the
+    planner plans. A format still ``auto`` counts as text; ``launcher.data.settle_formats`` reads the records and
+    resolves it before a run or a plan."""
+    if not d.packing:
+        return False
+    if d.sources:
+        formats = [s.format if s.format != "auto" else d.format for s in d.sources if s.weight > 0]
+    else:
+        formats = [] if d.source == "synthetic" else [d.format]
+    return bool(formats) and all(f in INSTRUCTION_FORMATS for f in formats)
 
 
 def auto_warmup_steps(max_steps: int) -> int:
@@ -433,6 +613,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, wor
     cfg = _build(Config, raw, "", problems)
     if cfg.train.warmup_steps == AUTO:  # follows the run's length, so a short smoke run works with the defaults
         cfg.train.warmup_steps = auto_warmup_steps(cfg.train.max_steps)
+    problems += names_and_paths(cfg)
     if not problems:
         problems += check(cfg, world)
     if problems:

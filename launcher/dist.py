@@ -66,11 +66,64 @@ class Dist:
         return x
 
 
+class EnvError(ValueError):
+    """Launcher variables that cannot describe a run; printed like a configuration error (value, rule, fix).
+    Defined here rather than as a ConfigError because the configuration module sits above this one."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        n = len(self.problems)
+        head = f"{n} problem{'s' if n != 1 else ''} in the launcher environment:"
+        super().__init__("\n".join([head] + [f"  - {p}" for p in self.problems]))
+
+
+_FIX = ("fix: unset RANK WORLD_SIZE LOCAL_RANK for one process, or start the ranks with torchrun or deepspeed, "
+        "which set them together")
+
+
+def read_env(env=os.environ) -> Dist:
+    """RANK, WORLD_SIZE, LOCAL_RANK (and MASTER_PORT when set) checked together; raises EnvError listing
+    every problem. Unset variables mean one process: rank 0 of 1."""
+    problems: list[str] = []
+
+    def whole(name: str, default: int, lo: int) -> int | None:
+        raw = env.get(name)
+        if raw is None:
+            return default
+        try:
+            v = int(raw.strip())
+        except ValueError:
+            problems.append(f"{name}: got {raw!r}; rule: a whole number >= {lo}; {_FIX}")
+            return None
+        if v < lo:
+            problems.append(f"{name}: got {raw!r}; rule: a whole number >= {lo}; {_FIX}")
+            return None
+        return v
+
+    world, rank, local = whole("WORLD_SIZE", 1, 1), whole("RANK", 0, 0), whole("LOCAL_RANK", 0, 0)
+    if world is not None and world > 1 and env.get("RANK") is None:
+        problems.append(f"RANK: not set with WORLD_SIZE={world}; rule: each of several processes needs its rank "
+                        f"(0 to {world - 1}), or it waits for the others forever; {_FIX}")
+    if world is not None and rank is not None and rank >= world:
+        problems.append(f"RANK: got {rank} with WORLD_SIZE={world}; rule: 0 <= RANK < WORLD_SIZE; {_FIX}")
+    if rank is not None and local is not None and local > rank:
+        problems.append(f"LOCAL_RANK: got {local} with RANK={rank}; rule: a process's rank on its machine is never "
+                        f"above its rank among all processes; {_FIX}")
+    port = env.get("MASTER_PORT")
+    if port is not None:
+        ok = port.strip().isdigit() and 1 <= int(port) <= 65535
+        if not ok:
+            problems.append(f"MASTER_PORT: got {port!r}; rule: a TCP port, 1 to 65535; fix: MASTER_PORT=29500, or "
+                            "unset it (one process picks a free port)")
+    if problems:
+        raise EnvError(problems)
+    return Dist(rank, world, local)
+
+
 @functools.lru_cache(maxsize=1)
 def current() -> Dist:
     """This process's place among the ranks, from the launcher's environment (read once)."""
-    return Dist(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")),
-                int(os.environ.get("LOCAL_RANK", "0")))
+    return read_env()
 
 
 def backend(device: torch.device) -> str:

@@ -35,7 +35,7 @@ def prompt_ids(cfg: Config, tokenizer, data) -> list[int] | None:
                                "take one from the data"]) from None
     if data is None or len(data) == 0:
         return None
-    ids, labels = data.input_ids[0], data.labels[0]
+    ids, labels = data.example(0)  # one sample, read on its own
     trained = (labels != -100).nonzero()
     first = int(trained[0]) if len(trained) else len(ids)
     if first == 0:  # text: every token is trained

@@ -7,6 +7,7 @@ through emulation.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import platform
@@ -54,6 +55,8 @@ class Hardware:
     ninja: str = ""  # which ninja builds DeepSpeed's ops (doctor)
     ops: dict = field(default_factory=dict)  # DeepSpeed op -> {'state', 'detail'} (doctor)
     threads: dict = field(default_factory=dict)  # the training process's thread settings (launcher.threads)
+    async_io: str = "not checked"  # DeepSpeed's async_io op (ZeRO-Infinity's NVMe offload): 'usable' or why not
+    nvme: dict | None = None  # memory.nvme_path measured (probe_disk): path, free_bytes, fs_type, tmpfs, speeds
 
     @property
     def has_cuda(self) -> bool:
@@ -133,6 +136,94 @@ def cpu_adam_status(deepspeed_error: str | None) -> str:
         return f"unavailable: {type(e).__name__}: {e}"
 
 
+_ASYNC_IO: dict = {}
+
+
+def async_io_status(deepspeed_error: str | None = None) -> str:
+    """'usable', or why DeepSpeed's async_io op (what ZeRO-Infinity reads and writes NVMe with) cannot build
+    here: it compiles against libaio (Debian: apt-get install libaio-dev). Asked once per process."""
+    if deepspeed_error:
+        return f"unavailable: deepspeed {deepspeed_error}"
+    if "status" not in _ASYNC_IO:
+        try:
+            from deepspeed.ops.op_builder import AsyncIOBuilder
+
+            ok = AsyncIOBuilder().is_compatible(verbose=False)
+            _ASYNC_IO["status"] = "usable" if ok else ("unavailable: libaio was not found (apt-get install libaio-dev, "
+                                                        "then vramfit doctor)")
+        except Exception as e:  # noqa: BLE001 -- a broken op builder says what it says
+            _ASYNC_IO["status"] = f"unavailable: {type(e).__name__}: {e}"
+    return _ASYNC_IO["status"]
+
+
+_DISKS: dict = {}
+
+
+def probe_disk(path: str, sample_bytes: int = 64 * 1024 * 1024) -> dict:
+    """``memory.nvme_path`` measured: free bytes, the file system (tmpfs is RAM in disguise), and its write and
+    read speeds: ``sample_bytes`` written and fsynced, dropped from the page cache, read back (once per path
+    and process; about a second on an NVMe disk). vramfit's calibration measures the output directory's disk;
+    the swap folder may be another disk, so it is measured here."""
+    import time
+
+    path = os.path.abspath(os.path.expanduser(path))
+    if path in _DISKS:
+        return dict(_DISKS[path])
+    out = {"path": path, "free_bytes": int(shutil.disk_usage(path).free), "fs_type": _fs_type(path)}
+    out["tmpfs"] = out["fs_type"] in ("tmpfs", "ramfs")
+    chunk = os.urandom(4 * 1024 * 1024)
+    name = os.path.join(path, f".vramfit-disk-{os.getpid()}")
+    try:
+        t = time.perf_counter()
+        with open(name, "wb") as fh:
+            for _ in range(max(1, sample_bytes // len(chunk))):
+                fh.write(chunk)
+            fh.flush()
+            os.fsync(fh.fileno())
+        written = max(1, sample_bytes // len(chunk)) * len(chunk)
+        out["write_bytes_per_s"] = written / max(time.perf_counter() - t, 1e-9)
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # read the disk, not the page cache
+            t = time.perf_counter()
+            while os.read(fd, len(chunk)):
+                pass
+            out["read_bytes_per_s"] = written / max(time.perf_counter() - t, 1e-9)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(name)
+    _DISKS[path] = out
+    return dict(out)
+
+
+def _fs_type(path: str) -> str:
+    """The file system type of the mount holding ``path`` (from /proc/mounts; '' when unknown)."""
+    best, kind = "", ""
+    try:
+        with open("/proc/mounts") as fh:
+            for line in fh:
+                parts = line.split()
+                if len(parts) >= 3 and (path == parts[1] or path.startswith(parts[1].rstrip("/") + "/")) \
+                        and len(parts[1]) >= len(best):
+                    best, kind = parts[1], parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+def with_nvme(hw: Hardware, nvme_path: str) -> Hardware:
+    """``hw`` with ``memory.nvme_path`` measured (unchanged when it is empty or not a usable folder: the config
+    check has said why)."""
+    if nvme_path and os.path.isdir(os.path.expanduser(nvme_path)) and os.access(os.path.expanduser(nvme_path), os.W_OK):
+        hw.nvme = probe_disk(nvme_path)
+    return hw
+
+
 def memlock_limit() -> int | None:
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     return None if soft == resource.RLIM_INFINITY else int(soft)
@@ -168,6 +259,7 @@ def probe(with_cpu_adam: bool = False) -> Hardware:
             ninja = use_env_ninja()
             hw.ops = {n: {"state": st.state, "detail": st.detail} for n in deepspeed_op_names()
                       for st in [op_state(n, ninja)]}
+    hw.async_io = async_io_status(hw.deepspeed_error) if with_cpu_adam else "not checked"
     hw.transformers, hw.peft, hw.bitsandbytes = _version("transformers"), _version("peft"), _version("bitsandbytes")
     return hw
 
@@ -220,7 +312,7 @@ def format_report(hw: Hardware) -> str:
     lines.append(f"python {hw.python}, torch {hw.torch}, CUDA {hw.cuda or 'none'}, "
                  f"transformers {hw.transformers}, peft {hw.peft}, bitsandbytes {hw.bitsandbytes or 'not installed'}")
     lines.append(f"deepspeed: {hw.deepspeed or 'not usable: DeepSpeed ' + str(hw.deepspeed_error)}; "
-                 f"CPU Adam op: {hw.cpu_adam}")
+                 f"CPU Adam op: {hw.cpu_adam}; async_io op (NVMe offload): {hw.async_io}")
     if hw.threads:
         t = hw.threads
         lines.append(f"threads: {t['intra_op']} intra-op ({t['parallel_backend']}), {t['interop']} inter-op, {t['cores']} "

@@ -37,7 +37,7 @@ def resolve_targets(cfg: Config, model: torch.nn.Module) -> list[str]:
 def check(cfg: Config, hf_config) -> list[str] | None:
     """Before the run directory is made: bitsandbytes present when needed; LoRA targets exist (on a meta
     model: no memory, no weights). Returns the resolved target names (None without LoRA)."""
-    if cfg.model.quantize != "none" or cfg.train.optimizer == "adamw8bit":
+    if cfg.model.quantize != "none" or cfg.train.optimizer in ("adamw8bit", "paged_adamw8bit"):
         quantize.require_bitsandbytes(cfg)
     if not cfg.lora.r:
         return None

@@ -81,7 +81,7 @@ def load_tokenizer(cfg: Config):
 
 def build_model(cfg: Config, dtype: torch.dtype = torch.float32, hf_config=None, *,
                 device: torch.device | None = None, precision: str = "fp32", checkpointing: bool = False,
-                checkpoint_every: int = 1):
+                checkpoint_every: int = 1, offload_activations: bool = False, pin_memory: bool = False):
     """Instantiate the model in ``dtype``: random init for presets, weights from a directory/hub; then
     bitsandbytes quantization (``model.quantize``, done on ``device``), activation checkpointing and LoRA
     (``lora.r > 0``)."""
@@ -107,15 +107,16 @@ def build_model(cfg: Config, dtype: torch.dtype = torch.float32, hf_config=None,
         quantize.keep_4bit_weights_trainable(model)
         logger.info(f"model.quantize={quant}: {quantize.describe(model)}")
     if checkpointing:
-        enable_checkpointing(model, checkpoint_every)
+        enable_checkpointing(model, checkpoint_every, offload_activations, pin_memory)
     if cfg.lora.r > 0:
         model = lora.apply_lora(cfg, model, lora.base_name_for(cfg))
     return model
 
 
-def enable_checkpointing(model, every: int = 1) -> None:
-    """Activation checkpointing on every ``every``-th decoder layer (:mod:`launcher.checkpointing`)."""
-    checkpointing.enable(model, every)
+def enable_checkpointing(model, every: int = 1, offload: bool = False, pin_memory: bool = False) -> None:
+    """Activation checkpointing on every ``every``-th decoder layer (:mod:`launcher.checkpointing`); ``offload``:
+    the checkpointed layers' inputs in CPU memory."""
+    checkpointing.enable(model, every, offload, pin_memory)
 
 
 def _numel(p) -> int:

@@ -209,9 +209,13 @@ class MemoryMonitor:
         if self.cuda:
             self._device_used, self.device_source = _device_used_reader(self.device)
         if self.csv_path:
-            self._fh = open(self.csv_path, "w", newline="", buffering=1)
+            earlier = _continue_csv(self.csv_path)  # a resumed run: its timeline goes on after the earlier ones
+            if earlier is not None:
+                self._t0 -= earlier
+            self._fh = open(self.csv_path, "a", newline="", buffering=1)
             self._writer = csv.writer(self._fh)
-            self._writer.writerow(CSV_COLUMNS)
+            if earlier is None:
+                self._writer.writerow(CSV_COLUMNS)
             self.sample()
             # the thread holds only a weak reference: if the run fails before its `finally` stops the
             # monitor, the thread ends once the monitor is gone instead of sampling forever
@@ -230,8 +234,11 @@ class MemoryMonitor:
             self._close_phase("done")
         self.unwatch()
         if self._fh is not None:
-            self.sample()
-            self._fh.close()
+            try:
+                self.sample()
+                self._fh.close()
+            except OSError as e:  # a full disk: the loop reports it; the timeline so far is on disk
+                logger.warning(f"memory.csv: the last sample was not written ({e})")
             self._fh = self._writer = None
 
     # ---- sampling (the thread)
@@ -407,6 +414,27 @@ def _sampler(ref, stop: threading.Event, interval_s: float) -> None:
             return
         finally:
             del mon
+
+
+def _continue_csv(path: str) -> float | None:
+    """Before appending to an existing memory.csv (a resumed run): cut a last row that a kill or a full
+    disk left without its newline, and return its last time_s (None: no file yet, write the header)."""
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        return None
+    with open(path, "rb+") as fh:
+        fh.seek(0, os.SEEK_END)
+        size = fh.tell()
+        fh.seek(max(0, size - 65536))
+        tail = fh.read()
+        if not tail.endswith(b"\n"):
+            cut = tail.rfind(b"\n") + 1
+            fh.truncate(size - len(tail) + cut)
+            tail = tail[:cut]
+    lines = tail.decode(errors="replace").splitlines()
+    try:
+        return float(lines[-1].split(",", 1)[0]) if lines else 0.0
+    except ValueError:  # only the header so far
+        return 0.0
 
 
 def read_csv(path: str) -> dict[str, list]:

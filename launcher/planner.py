@@ -26,8 +26,9 @@ import torch
 
 from launcher import availability, hfconfig, steptime, user_ds_config
 from launcher.availability import Availability
-from launcher.config import AUTO, Config
+from launcher.config import AUTO, Config, ConfigError, packs_samples
 from launcher.hardware import Hardware, pin_memory_ok
+from launcher.loss import HeadNotPlain, head_problem
 from launcher.memory.shape import count_params
 from launcher.memory.states import (
     ALLOCATOR_SLACK,
@@ -46,6 +47,10 @@ from launcher.steptime import Machine
 from launcher.units import GiB, gib
 
 PHASES = ("forward_backward", "optimizer_step")
+# loss.chunked=auto chunks the loss when the plain logits would take more than this share of the budget (the
+# GPU's, or the CPU's on a CPU run). Chunking costs one more head matmul per step (about 2% of a Llama-3-8B
+# step at seq 2048) and frees the logits; at a tenth of the budget that is worth more than a micro-batch step.
+CHUNK_SHARE = 0.10
 
 
 @dataclass
@@ -69,6 +74,8 @@ class ProfilePlan:
     lower_bound: bool = False  # model states alone exceed a budget, so activations were not traced
     checkpointing: bool = False  # activation checkpointing in this row's setting
     checkpoint_every: int = 1  # with checkpointing: every k-th decoder layer recomputes
+    chunked_loss: bool = False  # head + cross-entropy in chunks (loss.chunked)
+    offload_activations: bool = False  # saved activations in CPU memory (memory.offload_activations)
     step_s: float | None = None  # predicted seconds per optimizer step (None: no machine speeds to price it)
     tokens_per_s: float | None = None
     eta_s: float | None = None  # the whole run (train.max_steps steps)
@@ -81,7 +88,9 @@ class ProfilePlan:
         """'micro-batch 8, checkpointing every 2nd layer' and the like."""
         ck = "off" if not self.checkpointing else ("every layer" if self.checkpoint_every == 1
                                                     else f"every {_nth(self.checkpoint_every)} layer")
-        return f"micro-batch {self.micro_batch}, checkpointing {ck}"
+        extra = (", chunked loss" if self.chunked_loss else "") + (", activations offloaded" if self.offload_activations
+                                                                    else "")
+        return f"micro-batch {self.micro_batch}, checkpointing {ck}{extra}"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -166,11 +175,14 @@ def budgets(cfg: Config, hw: Hardware, device: str) -> tuple[int, int, dict]:
 
 def _attention_kernel(run: RunShape, dtype: torch.dtype) -> str:
     """The SDPA kernel the target runs: flash for 16-bit on capability >= 8, memory-efficient otherwise
-    (CUDA); CPU's flash kernel (without dropout; the trace falls back to math when dropout is on)."""
+    (CUDA); CPU's flash kernel (without dropout; the trace falls back to math when dropout is on). Packed samples
+    bring a mask, which CUDA's flash kernel does not take: the memory-efficient one runs."""
     if run.attn_implementation != "sdpa":
         return "math"
     if run.device == "cpu":
         return "flash"
+    if run.packed:
+        return "efficient"
     if dtype in (torch.float16, torch.bfloat16) and run.capability[0] >= 8:
         return "flash"
     return "efficient"
@@ -199,7 +211,8 @@ def _trace_settings(run: RunShape, family: str, micro_batch: int) -> TraceSettin
                          autocast_dtype=ac, target=run.device, attn_implementation=run.attn_implementation,
                          attention_kernel=kernel, gradient_checkpointing=run.checkpointing,
                          checkpoint_every=run.checkpoint_every if run.checkpointing else 1, lora_r=run.lora_r,
-                         lora_targets=run.lora_targets, lora_dropout=run.lora_dropout)
+                         lora_targets=run.lora_targets, lora_dropout=run.lora_dropout, chunked_loss=run.chunked_loss,
+                         offload_activations=run.offload_activations, packed=run.packed)
 
 
 class PlanError(RuntimeError):
@@ -210,6 +223,8 @@ def _activations(run: RunShape, family: str, micro_batch: int, exact: bool = Tru
     try:
         return estimate_activations(run.config, _trace_settings(run, family, micro_batch), run.trust_remote_code,
                                     exact)
+    except HeadNotPlain as e:
+        raise ConfigError([str(e)]) from None
     except Exception as e:
         arch = type(run.config).__name__.replace("Config", "")
         raise PlanError(f"the activation trace of {arch} failed on the meta device ({type(e).__name__}: "
@@ -265,6 +280,11 @@ def _plan_profile(p: Profile, run: RunShape, micro_batch: int, gpu_budget: int, 
     if over and skip_trace_over_budget:
         lower_bound = True
     else:
+        if run.chunked_mode == AUTO and run.head_problem is None and not run.chunked_loss:
+            plain = _activations(run, _family(p), micro_batch, exact)
+            logits = _activation_parts(plain, with_grads=False).get("logits", 0)
+            if logits > CHUNK_SHARE * (gpu_budget if on_gpu else cpu_budget):
+                run = dataclasses.replace(run, chunked_loss=True)
         est = _activations(run, _family(p), micro_batch, exact)
         grads_from_trace = p.engine == "amp" and accumulation == 1
         for part, n in _activation_parts(est, with_grads=grads_from_trace).items():
@@ -284,6 +304,8 @@ def _plan_profile(p: Profile, run: RunShape, micro_batch: int, gpu_budget: int, 
         for part, n in phases[peak_phase].items():
             add_part(cpu_states, part, n)
         add_part(cpu_states, "allocator_slack", ALLOCATOR_SLACK * tensor_peak)
+    if est is not None and est.offloaded:  # CPU copies of saved activations (pinned when the run pins)
+        add_part(cpu_states, "offloaded_activations", est.offloaded)
     add_part(cpu_parts, "runtime", runtime)
     if st["cpu_load"] > _phase_total(cpu_states):  # loading the model on the CPU is the larger moment
         add_part(cpu_parts, "model_load", st["cpu_load"])
@@ -291,10 +313,16 @@ def _plan_profile(p: Profile, run: RunShape, micro_batch: int, gpu_budget: int, 
         for part, n in cpu_states.items():
             add_part(cpu_parts, part, n)
     gpu_bytes, cpu_bytes = _phase_total(gpu_parts), _phase_total(cpu_parts)
-    fits = (gpu_bytes <= gpu_budget or not on_gpu) and cpu_bytes <= cpu_budget
+    disk_parts = dict(st["disk"])
+    disk_bytes = _phase_total(disk_parts)
+    disk_free = int(run.nvme["free_bytes"]) if run.nvme else 0
+    fits = (gpu_bytes <= gpu_budget or not on_gpu) and cpu_bytes <= cpu_budget and disk_bytes <= disk_free
     why = None
     if not fits:
         bits = []
+        if disk_bytes > disk_free:
+            bits.append(f"disk {gib(disk_bytes)} > {gib(disk_free)} free at memory.nvme_path" if run.nvme else
+                        "memory.nvme_path was not measured (set it to an existing folder)")
         if on_gpu and gpu_bytes > gpu_budget:
             bits.append(f"GPU {'>= ' if lower_bound else ''}{gib(gpu_bytes)} > budget {gib(gpu_budget)}")
         if cpu_bytes > cpu_budget:
@@ -302,14 +330,18 @@ def _plan_profile(p: Profile, run: RunShape, micro_batch: int, gpu_budget: int, 
         why = "; ".join(bits)
     row = ProfilePlan(profile=p.name, engine=p.engine, precision=p.precision, device=run.device,
                       gpu_bytes=gpu_bytes, cpu_bytes=cpu_bytes, fits=fits,
-                      parts={"gpu": gpu_parts, "cpu": cpu_parts}, speed_rank=p.speed_rank, micro_batch=micro_batch,
+                      parts={"gpu": gpu_parts, "cpu": cpu_parts, **({"disk": disk_parts} if disk_parts else {})},
+                      speed_rank=p.speed_rank, micro_batch=micro_batch,
                       accumulation=accumulation, why_not=why, gpu_tensor_bytes=tensor_peak if on_gpu else 0,
                       peak_phase=peak_phase, phases=phases if on_gpu else {}, lower_bound=lower_bound,
-                      checkpointing=run.checkpointing, checkpoint_every=run.checkpoint_every if run.checkpointing else 1)
+                      checkpointing=run.checkpointing, checkpoint_every=run.checkpoint_every if run.checkpointing else 1,
+                      chunked_loss=run.chunked_loss, offload_activations=run.offload_activations)
     if machine is not None and est is not None:
         t = steptime.predict(p, machine, ops=_ops(est, run), counts=run.counts, micro_batch=micro_batch,
                              accumulation=accumulation, seq_len=run.seq_len, world=run.world, pinned=pinned,
-                             optimizer=run.optimizer, lora=run.lora_r > 0)
+                             optimizer=run.optimizer, lora=run.lora_r > 0,
+                             activation_copy_bytes=est.offload_copied if est.offloaded else 0,
+                             disk=run.nvme if p.nvme else None)
         row.step_s, row.tokens_per_s, row.time_parts, row.time_notes = t.step_s, t.tokens_per_s, t.parts, t.notes
         row.eta_s = t.step_s * max_steps if max_steps else None
     return row
@@ -333,6 +365,7 @@ def _micro_batch_candidates(run: RunShape, asked) -> list[int]:
 
 def make_shape(cfg: Config, hw: Hardware, avail: Availability, world: int = 1) -> RunShape:
     config = hfconfig.load(cfg.model.name, cfg.model.trust_remote_code)
+    hfconfig.check_seq_len(config, cfg.data.seq_len)  # plan refuses what train would
     targets = tuple(cfg.lora.target_modules) or ("all-linear",)
     counts = count_params(config, cfg.lora.r, targets, cfg.model.trust_remote_code)
     device = avail.device.type
@@ -345,7 +378,19 @@ def make_shape(cfg: Config, hw: Hardware, avail: Availability, world: int = 1) -
                     attn_implementation="sdpa" if cfg.model.attn_implementation == AUTO else cfg.model.attn_implementation,
                     lora_r=int(cfg.lora.r), lora_targets=targets, lora_dropout=float(cfg.lora.dropout),
                     quantize=cfg.model.quantize, optimizer=cfg.train.optimizer,
-                    trust_remote_code=bool(cfg.model.trust_remote_code))
+                    trust_remote_code=bool(cfg.model.trust_remote_code),
+                    chunked_loss=cfg.loss.chunked == "on", chunked_mode=cfg.loss.chunked,
+                    head_problem=_head_problem(config, cfg.model.trust_remote_code),
+                    offload_activations=cfg.memory.offload_activations == "on",
+                    offload_mode=cfg.memory.offload_activations,
+                    nvme=hw.nvme if cfg.memory.nvme_path and hw.nvme else None, packed=packs_samples(cfg.data))
+
+
+def _head_problem(config, trust_remote_code: bool) -> str | None:
+    """Why this architecture's loss cannot be chunked, from a one-layer meta model (None: it can)."""
+    from launcher.memory.shape import build_meta_model, with_depth
+
+    return head_problem(build_meta_model(with_depth(config, 1), trust_remote_code=trust_remote_code))
 
 
 def plan(cfg: Config, hw: Hardware, profiles: list[str] | None = None, *, world: int = 1,
@@ -362,6 +407,10 @@ def plan(cfg: Config, hw: Hardware, profiles: list[str] | None = None, *, world:
     t0 = time.perf_counter()
     avail = availability.assess(cfg, hw)
     run = make_shape(cfg, hw, avail, world)
+    if cfg.loss.chunked == "on" and run.head_problem:
+        raise ConfigError([f"loss.chunked: got 'on', but {run.head_problem}; rule: chunking applies the output head "
+                           "itself, so it must be a plain linear layer whose output the model returns untouched; fix: "
+                           "loss.chunked=off (or auto, which plans the plain loss for this model)"])
     gpu_budget, cpu_budget, sources = budgets(cfg, hw, run.device)
     names = (list(profiles) if profiles is not None else
              [n for n, p in PROFILES.items() if p.precision == avail.precision])
@@ -439,17 +488,27 @@ def _best_setting(p: Profile, run: RunShape, cfg: Config, asked, gpu_budget: int
     tried first (if even that does not fit, nothing does at this micro-batch), then off, then every k-th layer.
     Smaller micro-batches are tried while their least-recompute setting still recomputes less; without machine
     speeds the least recompute wins, at the largest micro-batch that allows it (as before checkpointing was
-    searched: checkpointing costs about a third of a step)."""
-    options = checkpoint_options(cfg, run.counts.num_layers)
+    searched: checkpointing costs about a third of a step).
+
+    Activation offload (``memory.offload_activations``): ``on`` offloads in every setting; ``auto`` adds one
+    setting after the one with the most recompute, the same with what it saves offloaded (the least GPU
+    memory, and copies over PCIe that cost more than checkpointing's recompute), where there is a GPU to
+    offload from."""
+    options = [(ck, k, run.offload_mode == "on") for ck, k in checkpoint_options(cfg, run.counts.num_layers)]
+    if run.offload_mode == AUTO and run.device == "cuda":
+        options.append((*options[-1][:2], True))  # the least GPU memory: offload on top of the most recompute
     micros = _micro_batch_candidates(run, asked)
     kw = dict(machine=machine, pinned=pinned, max_steps=cfg.train.max_steps)
 
-    def at(ck: tuple[bool, int], b: int, exact: bool = False) -> ProfilePlan:
-        shape = dataclasses.replace(run, checkpointing=ck[0], checkpoint_every=ck[1])
+    def at(ck: tuple, b: int, exact: bool = False) -> ProfilePlan:
+        shape = dataclasses.replace(run, checkpointing=ck[0], checkpoint_every=ck[1], offload_activations=ck[2])
         return _plan_profile(p, shape, b, gpu_budget, cpu_budget, exact=exact, **kw)
 
+    def key(r: ProfilePlan) -> tuple:
+        return (r.checkpointing, r.checkpoint_every if r.checkpointing else 1, r.offload_activations)
+
     def exactly(r: ProfilePlan) -> ProfilePlan:
-        return at((r.checkpointing, r.checkpoint_every), r.micro_batch, exact=True)
+        return at(key(r), r.micro_batch, exact=True)
 
     if blocked:
         row = at(options[0], micros[0], exact=True)
@@ -468,7 +527,7 @@ def _best_setting(p: Profile, run: RunShape, cfg: Config, asked, gpu_budget: int
             if r.fits:
                 found = r
                 break
-        rank = options.index((found.checkpointing, found.checkpoint_every) if found.checkpointing else (False, 1))
+        rank = options.index(key(found))
         if rank < least:
             fitting.append(found)
             least = rank
@@ -576,7 +635,8 @@ def _settings(cfg: Config, run: RunShape, why_precision: str) -> dict:
             "gradient_checkpointing": cfg.model.gradient_checkpointing, "checkpoint_every": cfg.model.checkpoint_every,
             "max_steps": cfg.train.max_steps,
             "attn_implementation": run.attn_implementation, "lora_r": run.lora_r,
-            "lora_target_modules": list(run.lora_targets), "quantize": run.quantize, "optimizer": run.optimizer}
+            "lora_target_modules": list(run.lora_targets), "quantize": run.quantize, "optimizer": run.optimizer,
+            "packed": run.packed}
 
 
 def _assumptions(run: RunShape, machine: Machine | None = None) -> dict:

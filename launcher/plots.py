@@ -75,8 +75,13 @@ def plot_memory(csv_path: str, out: str, step_peaks=(), predicted_gpu_bytes=None
     if title:
         fig.suptitle(title, fontsize=10)
     tmp = f"{out}.tmp-{os.getpid()}.png"
-    fig.savefig(tmp, dpi=100)
-    os.replace(tmp, out)
+    try:
+        fig.savefig(tmp, dpi=100)
+        os.replace(tmp, out)
+    except BaseException:  # a full disk: no half-written picture left behind
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     return out
 
 
@@ -131,5 +136,10 @@ def plot_bench(doc: dict, path: str) -> None:
     ax2.set_xticks(x)
     ax2.set_xticklabels(names, rotation=20, ha="right", fontsize=8)
     tmp = f"{path}.tmp-{os.getpid()}.png"
-    fig.savefig(tmp, dpi=100)
-    os.replace(tmp, path)
+    try:
+        fig.savefig(tmp, dpi=100)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: no half-written picture left behind
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise

@@ -39,6 +39,12 @@ class Profile:
     # DeepSpeed builds its own Adam from the config (a user's JSON with an "optimizer" section: FusedAdam or
     # DeepSpeedCPUAdam); False: torch's fused AdamW as DeepSpeed's client optimizer, as every catalogue profile
     ds_optimizer: bool = False
+    nvme_optimizer: bool = False  # ZeRO-Infinity: fp32 master and Adam states swapped to memory.nvme_path
+    nvme_param: bool = False  # ... and the 16-bit parameters too
+
+    @property
+    def nvme(self) -> bool:
+        return self.nvme_optimizer or self.nvme_param
 
     @property
     def offloads(self) -> bool:
@@ -72,7 +78,28 @@ def _catalogue() -> dict[str, Profile]:
         add(Profile(f"zero3-{prec}-offload-all", "deepspeed", prec, zero_stage=3, offload_optimizer=True,
                     offload_param=True, speed_rank=4, gpu_holds="live layers, activations",
                     cpu_holds="everything else"))
+    # ZeRO-Infinity, for hosts whose RAM cannot hold the offload: the last rungs (memory.nvme_path must be set)
+    for prec in ("fp16", "bf16"):
+        add(Profile(f"zero3-{prec}-offload-nvme-opt", "deepspeed", prec, zero_stage=3, offload_optimizer=True,
+                    offload_param=True, nvme_optimizer=True, speed_rank=5, gpu_holds="live layers, activations",
+                    cpu_holds="16-bit params, gradients, swap buffers (fp32 master, Adam m and v on NVMe)"))
+    for prec in ("fp16", "bf16"):
+        add(Profile(f"zero3-{prec}-offload-nvme-all", "deepspeed", prec, zero_stage=3, offload_optimizer=True,
+                    offload_param=True, nvme_optimizer=True, nvme_param=True, speed_rank=6,
+                    gpu_holds="live layers, activations",
+                    cpu_holds="gradients, swap buffers (params, fp32 master, Adam m and v on NVMe)"))
     return out
+
+
+# ZeRO-Infinity's swap settings (DeepSpeed's defaults unless said): the optimizer swapper pins buffer_count
+# buffers of the largest sub-group (fp32), so sub_group_size bounds them: 1e8 elements = 4 x 400 MB, where
+# DeepSpeed's default 1e9 would pin 16 GB on a 7B model -- the RAM NVMe offload is there to spare.
+NVME_SUB_GROUP = 100_000_000
+NVME_OPT_BUFFERS = 4
+NVME_PARAM_BUFFERS = 5
+NVME_PARAM_BUFFER_SIZE = 100_000_000  # elements per parameter swap buffer (at least the largest parameter)
+NVME_AIO = {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
+            "overlap_events": True}
 
 
 PROFILES: dict[str, Profile] = _catalogue()
@@ -102,8 +129,15 @@ def ds_config_template(p: Profile) -> dict:
                      "stage3_gather_16bit_weights_on_model_save": True})
     if p.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": AUTO}
+        if p.nvme_optimizer:
+            zero["offload_optimizer"] = {"device": "nvme", "nvme_path": AUTO, "pin_memory": AUTO,
+                                         "buffer_count": NVME_OPT_BUFFERS}
+            zero["sub_group_size"] = NVME_SUB_GROUP
     if p.offload_param:
         zero["offload_param"] = {"device": "cpu", "pin_memory": AUTO}
+        if p.nvme_param:
+            zero["offload_param"] = {"device": "nvme", "nvme_path": AUTO, "pin_memory": AUTO,
+                                     "buffer_count": NVME_PARAM_BUFFERS, "buffer_size": AUTO}
     cfg: dict = {
         "train_batch_size": AUTO,
         "train_micro_batch_size_per_gpu": AUTO,
@@ -120,6 +154,8 @@ def ds_config_template(p: Profile) -> dict:
         "fp16": {"enabled": p.precision == "fp16"},
         "bf16": {"enabled": p.precision == "bf16"},
     }
+    if p.nvme:
+        cfg["aio"] = dict(NVME_AIO)
     if p.precision == "fp16":
         cfg["fp16"].update({"loss_scale": 0, "initial_scale_power": LOSS_SCALE["initial_power"],
                             "loss_scale_window": LOSS_SCALE["window"], "hysteresis": LOSS_SCALE["hysteresis"],
@@ -164,6 +200,8 @@ class RunValues:
     pin_memory: bool
     loss_scale: dict = field(default_factory=lambda: dict(LOSS_SCALE))  # initial_power, window, hysteresis, min_scale
     peak_lr: float | None = None  # train.lr, what an explicit optimizer lr is compared with (default: lr)
+    nvme_path: str = ""  # memory.nvme_path (ZeRO-Infinity profiles)
+    largest_param: int = 0  # elements of the largest parameter (the parameter swap buffers must hold it)
 
 
 # fp16 dynamic loss scaling: DeepSpeed key -> loss_scale.* key (loss_scale 0 = dynamic)
@@ -176,7 +214,9 @@ AUTO_PATHS = frozenset(
     + [f"optimizer.params.{k}" for k in ("lr", "betas", "eps", "weight_decay")] + [f"fp16.{k}" for k, _ in _FP16_SCALING]
     + [f"zero_optimization.{k}" for k in ("reduce_bucket_size", "allgather_bucket_size",
                                           "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")]
-    + [f"zero_optimization.{k}.pin_memory" for k in ("offload_optimizer", "offload_param")])
+    + [f"zero_optimization.{k}.pin_memory" for k in ("offload_optimizer", "offload_param")]
+    + [f"zero_optimization.{k}.nvme_path" for k in ("offload_optimizer", "offload_param")]
+    + ["zero_optimization.offload_param.buffer_size"])
 
 
 def _same(have, want) -> bool:
@@ -255,12 +295,18 @@ def fill_auto(template: dict, v: RunValues, source: str = "DeepSpeed config") ->
         for key in ("offload_optimizer", "offload_param"):
             if isinstance(zero.get(key), dict) and zero[key].get("pin_memory", AUTO) == AUTO:  # DeepSpeed: True
                 zero[key]["pin_memory"] = bool(v.pin_memory)
+            if isinstance(zero.get(key), dict) and zero[key].get("nvme_path") == AUTO and v.nvme_path:
+                zero[key]["nvme_path"] = v.nvme_path
+        param = zero.get("offload_param")
+        if isinstance(param, dict) and param.get("buffer_size") == AUTO:
+            param["buffer_size"] = max(NVME_PARAM_BUFFER_SIZE, int(v.largest_param))
     return cfg, problems
 
 
 def resolve_ds_config(p: Profile, *, micro_batch: int, accumulation: int, world: int, grad_clip: float, lr: float,
                       betas: tuple[float, float], eps: float, weight_decay: float, hidden_size: int,
-                      pin_memory: bool, loss_scale: dict | None = None, trainable: int | None = None) -> dict:
+                      pin_memory: bool, loss_scale: dict | None = None, trainable: int | None = None,
+                      nvme_path: str = "", largest_param: int = 0) -> dict:
     """Fill every ``"auto"`` of the profile's config. Raises if one would survive. Bucket sizes: the
     profile's own (the planner's choice) or :func:`bucket_sizes` for ``world`` ranks and ``trainable``
     parameters."""
@@ -277,7 +323,7 @@ def resolve_ds_config(p: Profile, *, micro_batch: int, accumulation: int, world:
     if p.precision == "fp16":  # the catalogue's fp16 numbers are vramfit's loss_scale.* settings
         template["fp16"].update({ds: scaling[ours] for ds, ours in _FP16_SCALING})
     v = RunValues(p.precision, micro_batch, accumulation, world, grad_clip, lr, tuple(betas), eps, weight_decay,
-                  hidden_size, pin_memory, scaling)
+                  hidden_size, pin_memory, scaling, nvme_path=nvme_path, largest_param=largest_param)
     cfg, problems = fill_auto(template, v, f"profile {p.name}")
     left = find_auto(cfg)
     if problems or left:
@@ -332,6 +378,7 @@ def table_markdown() -> str:
         engine = {"amp": "torch autocast + GradScaler", "fsdp": "torch FSDP2 + CPUOffloadPolicy",
                   "deepspeed": f"DeepSpeed ZeRO-{p.zero_stage}"}[p.engine]
         if p.offload_optimizer and p.is_deepspeed:
-            engine += " + offload_optimizer cpu" + (" + offload_param cpu" if p.offload_param else "")
+            engine += (f" + offload_optimizer {'nvme' if p.nvme_optimizer else 'cpu'}"
+                       + (f" + offload_param {'nvme' if p.nvme_param else 'cpu'}" if p.offload_param else ""))
         lines.append(f"| `{p.name}` | {engine} | {p.precision} | {p.gpu_holds} | {p.cpu_holds} |")
     return "\n".join(lines)

@@ -15,7 +15,7 @@ from launcher.targets import linear_modules
 
 
 def require_bitsandbytes(cfg: Config) -> None:
-    what = (f"model.quantize={cfg.model.quantize}" if cfg.model.quantize != "none" else "train.optimizer=adamw8bit")
+    what = (f"model.quantize={cfg.model.quantize}" if cfg.model.quantize != "none" else f"train.optimizer={cfg.train.optimizer}")
     try:
         import bitsandbytes  # noqa: F401
     except ImportError as e:

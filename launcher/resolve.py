@@ -35,6 +35,8 @@ class RunSpec:
     plan: planner.Plan | None = field(default=None, compare=False)
     usable: tuple[Profile, ...] = ()  # profiles the OOM ladder may move to, fastest first
     user_ds: user_ds_config.UserDsConfig | None = None  # deepspeed_config: the user's JSON, "auto" still open
+    chunked_loss: bool = False  # head + cross-entropy in chunks (loss.chunked; launcher.loss)
+    offload_activations: bool = False  # saved activations in CPU memory (memory.offload_activations)
 
     @property
     def engine(self) -> str:
@@ -63,6 +65,9 @@ def resolve(cfg: Config, hw: Hardware, world: int = 1, local_rank: int = 0, mach
     planner chooses by predicted step time; without it, by speed ranks."""
     avail = availability.assess(cfg, hw, local_rank)
     reasons = [f"device {avail.device}", avail.precision_reason]
+    if cfg.memory.nvme_path and hw.nvme and hw.nvme.get("tmpfs"):
+        reasons.append(f"warning: memory.nvme_path={cfg.memory.nvme_path} is on {hw.nvme['fs_type']}, which is RAM in "
+                       "disguise: NVMe offload there takes the RAM it was meant to spare; fix: a folder on a real disk")
     user = avail.user
     if user is not None or cfg.profile != AUTO:
         chosen = user.profile if user is not None else PROFILES[cfg.profile]
@@ -134,13 +139,20 @@ def resolve(cfg: Config, hw: Hardware, world: int = 1, local_rank: int = 0, mach
     chosen = _with_buckets(chosen, row)
     if row is not None and row.micro_batch == micro:  # the setting the planner chose (auto checkpointing included)
         ckpt, every = row.checkpointing, row.checkpoint_every
+        chunked, offload = row.chunked_loss, row.offload_activations
     else:
         ckpt, every = cfg.model.gradient_checkpointing is True, int(cfg.model.checkpoint_every)
+        chunked, offload = cfg.loss.chunked == "on", cfg.memory.offload_activations == "on"
+    if cfg.loss.chunked == AUTO:
+        reasons.append(f"loss {'chunked' if chunked else 'not chunked'} from the planner"
+                       + ("" if chunked else f" (the logits stay under {planner.CHUNK_SHARE:.0%} of the budget)"))
+    if cfg.memory.offload_activations == AUTO and offload:
+        reasons.append("activations offloaded to CPU memory: the planner found nothing faster that fits")
     if cfg.model.gradient_checkpointing == AUTO:
         reasons.append(f"gradient checkpointing {'on' if ckpt else 'off'}"
                        + (f" (every {every} layers)" if ckpt and every > 1 else "") + " from the planner")
     return RunSpec(avail.device, avail.precision, chosen, micro, accumulation, world, ckpt, every if ckpt else 1,
-                   tuple(reasons), plan, tuple(ladder), user)
+                   tuple(reasons), plan, tuple(ladder), user, chunked, offload)
 
 
 def _with_buckets(p: Profile, row) -> Profile:

@@ -113,7 +113,7 @@ def family(p: Profile) -> str:
 def optimizer_kind(p: Profile, device: str, optimizer: str = "adamw") -> str:
     """The key in :attr:`Machine.optimizers`: ``<optimizer>@<device it steps on>``, e.g.
     ``torch_fused_adamw@cpu``, ``deepspeed_cpu_adam@cpu``, ``deepspeed_fused_adam@cuda``."""
-    if optimizer == "adamw8bit":
+    if optimizer in ("adamw8bit", "paged_adamw8bit"):  # paging moves nothing while the GPU has room
         return f"bnb_adamw8bit@{device}"
     if p.engine == "deepspeed" and p.ds_optimizer:  # a user's JSON with an optimizer section: DeepSpeed's ops
         if p.offload_optimizer:
@@ -183,10 +183,17 @@ def op_seconds(ops: dict, rates: Rates, host_bound: bool) -> tuple[float, float]
 
 def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int, accumulation: int,
             seq_len: int, world: int = 1, pinned: bool = False, optimizer: str = "adamw",
-            lora: bool = False) -> StepTime:
+            lora: bool = False, activation_copy_bytes: int = 0, disk: dict | None = None) -> StepTime:
     """Seconds per optimizer step of profile ``p`` on ``machine``. ``ops``: the traced op record of one
     micro-batch's forward + backward at this micro-batch, checkpointing and precision; ``counts``: the
-    model's :class:`launcher.memory.shape.ParamCounts`."""
+    model's :class:`launcher.memory.shape.ParamCounts`. ``activation_copy_bytes``: activation offload's bytes
+    copied to the CPU per micro-batch (the trace counts them); they come back in backward, and both copies
+    run on the compute stream (launcher.actoffload), so none of it overlaps compute. ``disk``: the swap
+    folder's measured speeds (``write_bytes_per_s``, ``read_bytes_per_s``; launcher.hardware.probe_disk) for
+    ZeRO-Infinity profiles: the optimizer step reads and writes back the fp32 master, m and v (12 bytes per
+    trainable parameter), and with parameters on NVMe every forward and backward reads the 16-bit weights
+    and the step writes them back; DeepSpeed overlaps the swaps of one sub-group with the update of another,
+    which is not counted (the disk is priced as if alone)."""
     on_gpu = machine.compute.device == "cuda"
     cd = 4 if p.precision == "fp32" else 2
     trainable = counts.adapters if lora else counts.total
@@ -240,6 +247,7 @@ def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int
     host_mem = machine.host.memory_bytes_per_s
     t_grads = grads_down / d2h
     t_weights_micro = weights_up_micro / h2d
+    t_activations = activation_copy_bytes / d2h + activation_copy_bytes / h2d
     overlap = OVERLAP.get(fam, {})
     fb = compute + traffic_micro / mem + micro_fixed
     if on_gpu and overlap.get("weights") and overlap.get("grads"):
@@ -251,6 +259,7 @@ def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int
     else:
         micro = fb + t_grads + t_weights_micro
         exposed_copies = t_grads + t_weights_micro
+    micro += t_activations
     kind = optimizer_kind(p, machine.compute.device, optimizer)
     stand_in = f"torch_fused_adamw@{kind.split('@')[1]}"
     per_param, per_tensor = machine.optimizers.get(kind) or machine.optimizers.get(stand_in) or (0.0, 0.0)
@@ -258,10 +267,24 @@ def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int
         notes.append(f"no measured speed for {kind}: {stand_in} stands in")
     opt = trainable * per_param + n_tensors * per_tensor
     t_weights_step = weights_up_step / h2d
+    t_disk_micro = t_disk_step = 0.0
+    if disk and getattr(p, "nvme", False):
+        wr = disk.get("write_bytes_per_s") or machine.disk_write_bytes_per_s or 1e9
+        rd = disk.get("read_bytes_per_s") or wr
+        if p.nvme_optimizer:
+            t_disk_step += 12 * trainable / rd + 12 * trainable / wr
+        if p.nvme_param:
+            full = base + (counts.adapters if lora else 0)
+            t_disk_micro = 2 * cd * full / rd
+            t_disk_step += cd * full / wr
+        micro += t_disk_micro
+    t_weights_step += t_disk_step
     step_extra = traffic_step / mem + host_traffic_step / host_mem + t_weights_step + step_fixed
     parts = {"compute": compute * accumulation, "engine": (micro_fixed * accumulation + step_fixed),
              "memory_traffic": traffic_micro / mem * accumulation + traffic_step / mem + host_traffic_step / host_mem,
-             "copies": exposed_copies * accumulation + t_weights_step, "optimizer": opt}
+             "copies": exposed_copies * accumulation + t_weights_step, "optimizer": opt,
+             "activation_copies": t_activations * accumulation, "disk": (t_disk_micro * accumulation + t_disk_step)}
+    parts["copies"] -= t_disk_step
     step = micro * accumulation + opt + step_extra
     correction = machine.corrections.get(fam)
     if correction:  # measured by `vramfit tune` on this machine: the model's error for this engine family

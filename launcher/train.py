@@ -7,6 +7,7 @@ ladder -> final weights, summary, sample.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import os
@@ -16,21 +17,21 @@ from dataclasses import asdict, dataclass, field, replace
 import psutil
 import torch
 
-from launcher import calibrate, dist, engines, generate, kernels, log, lora, plots, progress, threads
+from launcher import calibrate, dist, engines, generate, hfconfig, kernels, log, lora, plots, progress, threads
 from launcher import checkpoint as ckpt
 from launcher.config import Config, ConfigError, to_yaml
-from launcher.data import load_data, micro_batches
+from launcher.data import load_splits, settle_formats
 from launcher.engines.base import StepResult, host_values
 from launcher.engines.deepspeed import restore_torch_functions
 from launcher.faults import Hooks, StopRequested, diagnose
-from launcher.hardware import Hardware, enforce_gpu_budget, probe
+from launcher.hardware import Hardware, enforce_gpu_budget, probe, with_nvme
 from launcher.ladder import Rung, next_move
 from launcher.log import logger
 from launcher.models import build_model, count_params, enable_checkpointing, load_tokenizer, model_config, weight_dtype
 from launcher.monitor import MemoryMonitor
 from launcher.profiles import PROFILES
 from launcher.resolve import RunSpec, resolve
-from launcher.rundir import RunDir, default_run_name, read_json
+from launcher.rundir import LOCK, DiskFull, LockHeld, RunDir, RunLock, default_run_name, disk_full_message, is_disk_full, read_json
 from launcher.schedule import lr_at
 
 
@@ -43,22 +44,24 @@ class State:
     skipped: int = 0
     fallbacks: list = field(default_factory=list)
     resumed_from: str | None = None
-    tokens_seen: int = 0
+    tokens_seen: int = 0  # tokens processed, padding left out
+    tokens_in_loss: int = 0  # positions whose next token is in the loss
 
 
 def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -> dict:
     """Run one training job end to end. Returns the summary (also written to summary.json)."""
     try:
-        return _train(cfg, hooks or Hooks(), hw)
+        with contextlib.ExitStack() as cleanup:  # the run directory's lock, released however the run ends
+            return _train(cfg, hooks or Hooks(), hw, cleanup)
     finally:
         restore_torch_functions()
 
 
-def _train(cfg: Config, hooks: Hooks, hw: Hardware | None) -> dict:
+def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.ExitStack) -> dict:
     ranks = dist.current()
     log.setup(cfg.log.level, ranks.rank)
     dist.init(torch.device("cuda" if torch.cuda.is_available() and cfg.device != "cpu" else "cpu"))
-    hw = hw or probe()
+    hw = with_nvme(hw or probe(), cfg.memory.nvme_path)  # its free space and speed, for the plan
     # intra-op threads: the cores other processes leave free (launcher.threads); several ranks on one machine
     # share its cores and start together (each would count the others as neighbours), so they split them
     local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world))
@@ -69,7 +72,10 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None) -> dict:
                 f"{th.data_workers} (batches are cut from tokens in memory in the loop's thread)")
     # ---- decide everything before loading anything
     hf_config = model_config(cfg)
+    hfconfig.check_weights(cfg.model.name)
     lora.check(cfg, hf_config)  # bitsandbytes present when needed; LoRA target names exist (on a meta model)
+    asked = cfg  # what a checkpoint compares on resume: the settings as the user gave them
+    cfg = settle_formats(cfg)  # format auto -> what the records hold (one record read), so the plan knows the batches
     # this machine's measured speeds, when `vramfit doctor --calibrate` has run: the plan then picks the
     # fastest predicted setting that fits (never measured here: a training start stays fast)
     spec = resolve(cfg, hw, ranks.world, ranks.local_rank, machine=calibrate.calibration(measure=False))
@@ -77,17 +83,13 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None) -> dict:
         logger.info(r)
     kernels.check(cfg, spec.engine, spec.device.type)  # model.compile / model.liger where they cannot run
     seq_len = cfg.data.seq_len
-    max_pos = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
-    if max_pos and seq_len > max_pos:
-        raise ConfigError([f"data.seq_len: got {seq_len}; rule: at most the model's maximum of {max_pos} positions; "
-                           f"fix: data.seq_len={max_pos}"])
+    hfconfig.check_seq_len(hf_config, seq_len)  # the planner (in resolve) checked it too: one rule for plan and train
     # ---- tokenizer, data, sample prompt: input problems surface before the run directory exists
     tokenizer = load_tokenizer(cfg)
-    data = load_data(cfg, hf_config.vocab_size, tokenizer)
-    train_data, eval_data = data.split(cfg.data.eval_fraction, cfg.seed)
+    train_data, eval_data = load_splits(cfg, hf_config.vocab_size, tokenizer, hf_config)
     sample_prompt = generate.prompt_ids(cfg, tokenizer, eval_data if eval_data is not None else train_data)
-    rd, resume_from, run_name = prepare_run_dir(cfg, ranks)
-    settings = ckpt.fixed_settings(cfg)
+    rd, resume_from, run_name, damaged = prepare_run_dir(cfg, ranks, cleanup)
+    settings = ckpt.fixed_settings(asked)
     if resume_from:
         marker = ckpt.read_marker(resume_from)
         diff = ckpt.diff_settings(marker["settings"], settings)
@@ -102,6 +104,9 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None) -> dict:
                                "JSON layout, and a catalogue run without one; fix: the deepspeed_config the run "
                                "started with (or none), or another run_name"])
         spec = spec.at(rung)  # continue where the OOM ladder had got to
+        if "files" not in marker:
+            logger.info(f"checkpoint {resume_from} was written before checkpoints carried checksums: not verified")
+        rd.hold()  # nothing is written into the run being continued until its checkpoint has loaded
     rd.write_text("config.yaml", to_yaml(replace(cfg, run_name=run_name, model=replace(
         cfg.model, gradient_checkpointing=spec.checkpointing, checkpoint_every=spec.checkpoint_every))))
     if spec.plan is not None:
@@ -113,7 +118,9 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None) -> dict:
         capped = enforce_gpu_budget(cfg.memory.gpu_budget, device)
         if capped:
             logger.info(capped)
-    mon = MemoryMonitor.for_run(cfg, rd, device).start()  # memory.csv from here; stopped in the loop's finally
+    mon = MemoryMonitor.for_run(cfg, rd, device)  # stopped in the loop's finally
+    if not resume_from:
+        mon.start()  # memory.csv from here (a resume appends to it once its checkpoint has loaded)
     # ---- model, engine
     engine, model = make_engine(cfg, spec, hw, hf_config, rd)
     init_peak_gpu = None
@@ -122,25 +129,41 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     n_total, n_train = count_params(model)
     logger.info(f"model {cfg.model.name}: {n_total / 1e6:.2f}M parameters ({n_train / 1e6:.2f}M trainable); "
-                f"data: {len(train_data)} samples of {seq_len} tokens, {data.description}")
+                f"data: {len(train_data)} samples of up to {seq_len} tokens, {train_data.description}")
     logger.info(f"engine {engine.name}, profile {spec.profile.name}, optimizer {engine.optimizer_name}, micro-batch "
                 f"{spec.micro_batch} x accumulation {spec.accumulation} x {ranks.world} rank(s) = "
                 f"{cfg.train.global_batch_size}")
     # ---- resume
     st = State()
     if resume_from:
-        client = engine.load(resume_from)
+        try:
+            client = engine.load(resume_from)
+        except Exception as e:  # noqa: BLE001 -- each engine's loader fails its own way (torch, DeepSpeed, DCP)
+            engine.close()
+            older = ckpt.older_loadable(resume_from)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise ConfigError([f"checkpoint.resume: {resume_from} matches its recorded sizes and checksums but does "
+                               f"not load ({type(e).__name__}: {first}); rule: a checkpoint that this engine wrote for "
+                               "this model; fix: " + (f"checkpoint.resume={older}" if older else "another run_name (no "
+                               "older checkpoint loads)") + "; nothing in the run directory was changed"]) from None
         st.step, st.first_loss, st.skipped = client["step"], client.get("first_loss"), client.get("skipped", 0)
         st.fallbacks, st.tokens_seen = client.get("fallbacks", []), client.get("tokens_seen", 0)
+        st.tokens_in_loss = client.get("tokens_in_loss", 0)
         rng = client["rng"]
         ckpt.set_rng_state(rng[min(ranks.rank, len(rng) - 1)] if isinstance(rng, list) else rng)
         st.resumed_from = resume_from
+        if ranks.is_main:
+            for path, _why in damaged:  # out of the resume and rotation order, kept for a look
+                logger.info(f"damaged checkpoint {path} kept as {ckpt.set_aside(path)}")
         rd.truncate_metrics(st.step)
+        rd.commit()
+        mon.start()
         logger.info(f"resumed from {resume_from} at step {st.step}")
 
     def save_checkpoint() -> str:
         client = {"step": st.step, "samples_seen": st.step * cfg.train.global_batch_size, "first_loss": st.first_loss,
                   "skipped": st.skipped, "fallbacks": st.fallbacks, "tokens_seen": st.tokens_seen,
+                  "tokens_in_loss": st.tokens_in_loss,
                   "rng": ranks.gather(ckpt.rng_state())}
         path = ckpt.save(engine, rd.checkpoints, st.step, client, settings, is_main=ranks.is_main,
                          barrier=ranks.barrier, keep_last=cfg.checkpoint.keep_last, extra={"rung": asdict(spec.rung)},
@@ -152,7 +175,6 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None) -> dict:
     stop = StopRequested().install()
     status, diagnosis, last_ckpt = "completed", None, None
     t_start = time.perf_counter()
-    tokens_per_step = cfg.train.global_batch_size * seq_len
     peak_rss = psutil.Process().memory_info().rss
     loss, at_min_scale, last_scale = float("nan"), 0, None  # last_scale: fp16 loss scale after the last step
     bar = progress.Progress(cfg, st.step, ranks.is_main)
@@ -165,9 +187,9 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None) -> dict:
                 if hooks.before_step:
                     hooks.before_step(st.step, engine)
                 mon.mark("forward", engine)  # model hooks split forward from backward
-                losses = [engine.forward_backward(train_data.batch(rows), spec.accumulation)
-                          for rows in micro_batches(st.step, cfg.train.global_batch_size, spec.micro_batch,
-                                                    ranks.rank, ranks.world, len(train_data), cfg.seed)]
+                batch = train_data.step(st.step, cfg.train.global_batch_size, spec.micro_batch, ranks.rank,
+                                        ranks.world, cfg.seed)  # this rank's micro-batches: stacked, padded or packed
+                losses = [engine.forward_backward(b, spec.accumulation) for b in batch.batches]
                 if hooks.after_backward:
                     hooks.after_backward(st.step, engine)
                 mon.mark("step")
@@ -213,12 +235,16 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None) -> dict:
                 else:
                     engine.reset_micro_batch(move.to.micro_batch, move.to.accumulation)
                     if move.kind == "checkpointing":
-                        enable_checkpointing(engine.module(), move.to.checkpoint_every)
+                        enable_checkpointing(engine.module(), move.to.checkpoint_every, spec.offload_activations,
+                                             engine.levers is not None and engine.levers.pin_memory)
+                        if engine.levers is not None:  # activation offload now rides on the checkpointed layers
+                            engine.levers = replace(engine.levers, checkpointing=True)
                     free_memory(device)
                 spec = new_spec
                 continue
             st.step += 1
-            st.tokens_seen += tokens_per_step
+            st.tokens_seen += batch.tokens
+            st.tokens_in_loss += batch.tokens_in_loss
             st.skipped += int(result.skipped)
             if st.first_loss is None:
                 st.first_loss = loss
@@ -227,7 +253,8 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None) -> dict:
             peak_rss = max(peak_rss, mem["cpu_rss_bytes"])
             row = {"step": st.step, "loss": loss, "lr": lr, "loss_scale": result.loss_scale,
                    "skipped": result.skipped, "grad_norm": result.grad_norm, "tokens": st.tokens_seen,
-                   "tokens_per_s": tokens_per_step / dt, **mem, "time_s": time.perf_counter() - t_start,
+                   "tokens_per_s": batch.tokens / dt, "tokens_in_loss": st.tokens_in_loss,
+                   "tokens_in_loss_per_s": batch.tokens_in_loss / dt, **mem, "time_s": time.perf_counter() - t_start,
                    "micro_batch": spec.micro_batch, **mon.end_step(st.step, mem)}
             rd.append_metrics(row)
             bar.update(row)  # a bar on a terminal, else a log line every log.every_steps
@@ -250,6 +277,11 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None) -> dict:
                     and st.step < cfg.train.max_steps):
                 save_checkpoint()
         last_ckpt = save_checkpoint() if cfg.checkpoint.save else None
+    except OSError as e:  # a full disk ends the run as failed, with a summary and the last good checkpoint
+        if not isinstance(e, DiskFull) and not is_disk_full(e, rd.path):
+            raise
+        status, last_ckpt = "failed", ckpt.latest(rd.checkpoints)
+        diagnosis = disk_advice(e, rd, last_ckpt)
     finally:
         stop.restore()
         rd.close()
@@ -259,17 +291,26 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None) -> dict:
     # ---- outputs: the run is finished and recorded (final/, summary) before the sample after training
     eval_loss = evaluate(engine, eval_data, spec.micro_batch, ranks) if eval_data is not None else None
     if status == "completed" and cfg.checkpoint.save:
-        engine.save_final(rd.file("final"))
-        if tokenizer is not None and ranks.is_main:
-            tokenizer.save_pretrained(rd.file("final"))
+        def write_final(tmp: str) -> None:
+            engine.save_final(tmp)
+            if tokenizer is not None and ranks.is_main:
+                tokenizer.save_pretrained(tmp)
+        try:
+            ckpt.write_dir_atomic(rd.file("final"), write_final, what="final/ (the trained weights)",
+                                  is_main=ranks.is_main, barrier=ranks.barrier)
+        except DiskFull as e:
+            status, diagnosis = "failed", disk_advice(e, rd, last_ckpt)
     if diagnosis:
-        logger.info(f"stopped: {diagnosis}")
-    measured = [m["tokens_per_s"] for m in rd.metrics()[1:]] if ranks.is_main else []
+        (logger.error if status == "failed" else logger.info)(f"stopped: {diagnosis}")
+    rows_after_first = rd.metrics()[1:] if ranks.is_main else []  # the first step pays one-time costs
+    measured = [m["tokens_per_s"] for m in rows_after_first]
+    in_loss = [m["tokens_in_loss_per_s"] for m in rows_after_first if m.get("tokens_in_loss_per_s") is not None]
     summary = {
         "status": status, "engine": engine.name, "profile": spec.profile.name, "precision": spec.precision,
         "device": str(device), "steps": st.step, "first_loss": st.first_loss, "final_loss": loss,
         "eval_loss": eval_loss,
-        "tokens_per_s": (sum(measured) / len(measured)) if measured else tokens_per_step * st.step / max(elapsed, 1e-9),
+        "tokens_per_s": (sum(measured) / len(measured)) if measured else st.tokens_seen / max(elapsed, 1e-9),
+        "tokens_in_loss_per_s": (sum(in_loss) / len(in_loss)) if in_loss else st.tokens_in_loss / max(elapsed, 1e-9),
         "peak_gpu_bytes": mon.peak_gpu_bytes(), "peak_gpu_reserved_bytes": mon.peak_gpu_reserved_bytes(),
         "peak_cpu_rss_bytes": peak_rss,
         "peak_gpu_init_bytes": init_peak_gpu,
@@ -283,7 +324,12 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None) -> dict:
         "checkpoint": last_ckpt, "reasons": list(spec.reasons), "diagnosis": diagnosis, "run_dir": rd.path,
         "sample": None, "sample_error": None, "threads": th.to_dict(), **mon.summary(),
     }
-    rd.write_json("summary.json", summary)
+    try:
+        rd.write_json("summary.json", summary)
+    except DiskFull as e:  # the run's state is in its last checkpoint and metrics.jsonl; say what is missing
+        summary["status"] = status = "failed"
+        logger.error(f"summary.json not written: {e}; fix: free space there (the run's last checkpoint is "
+                     f"{last_ckpt}{', its weights are in final/' if os.path.isdir(rd.file('final')) else ''})")
     if ranks.is_main and mon.csv_path and os.path.exists(mon.csv_path):
         try:  # a picture must not fail a finished run
             plots.plot_memory(mon.csv_path, rd.file("memory.png"), mon.step_peaks, summary["predicted_gpu_bytes"],
@@ -306,29 +352,80 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None) -> dict:
     return summary
 
 
-def prepare_run_dir(cfg: Config, ranks: dist.Dist) -> tuple[RunDir, str | None, str]:
-    """(run directory, checkpoint to resume from or None, run name). Nothing is overwritten."""
+def prepare_run_dir(cfg: Config, ranks: dist.Dist, cleanup: contextlib.ExitStack
+                    ) -> tuple[RunDir, str | None, str, list[tuple[str, str]]]:
+    """(run directory, checkpoint to resume from or None, run name, damaged checkpoints newer than it).
+
+    Nothing is overwritten: the directory is locked for this process first (``cleanup`` releases it), then
+    the newest checkpoint whose files match its marker is chosen. Refusals leave everything as it was."""
     run_name = cfg.run_name or ranks.broadcast(default_run_name(cfg.model.name))  # ranks agree on the timestamp
     rd = RunDir(os.path.join(cfg.output_dir, run_name), ranks.is_main)
-    resume = None
-    if cfg.checkpoint.resume not in ("auto", "never"):
-        resume = cfg.checkpoint.resume
-    elif os.path.isdir(rd.path) and os.listdir(rd.path):
-        found = ckpt.latest(rd.checkpoints)
-        summary = read_json(rd.file("summary.json")) if os.path.exists(rd.file("summary.json")) else {}
-        if cfg.checkpoint.resume == "never" or found is None:
-            raise ConfigError([f"run_name: {rd.path} already holds a run"
-                               + (" with no complete checkpoint" if found is None else "")
-                               + "; rule: a run directory is never overwritten; fix: choose another run_name"
-                               + ("" if found is None else " or checkpoint.resume=auto to continue it")])
-        step = ckpt.read_marker(found)["step"]
-        if summary.get("status") == "completed" and step >= cfg.train.max_steps:
-            raise ConfigError([f"run_name: {rd.path} already completed {step} steps; rule: a finished run is not "
-                               f"overwritten; fix: another run_name, or train.max_steps > {step} to continue it"])
-        resume = found
-    ranks.barrier()  # every rank has looked before rank 0 creates anything
+    problems, resume, damaged = None, None, []
+    if ranks.is_main:  # rank 0 decides for all (the lock is one process's); the others hear its answer
+        try:
+            resume, damaged = _claim(cfg, rd, cleanup)
+        except ConfigError as e:
+            problems = e.problems
+    problems, resume, damaged = ranks.broadcast((problems, resume, damaged))
+    if problems:
+        raise ConfigError(problems)
     rd.create()
-    return rd, resume, run_name
+    return rd, resume, run_name, damaged
+
+
+def _claim(cfg: Config, rd: RunDir, cleanup: contextlib.ExitStack) -> tuple[str | None, list[tuple[str, str]]]:
+    explicit = cfg.checkpoint.resume not in ("auto", "never")
+    if explicit:  # before anything is made: a path that is not a usable checkpoint leaves no empty run behind
+        why = ckpt.verify(cfg.checkpoint.resume)
+        if why:
+            near = ckpt.loadable_near(cfg.checkpoint.resume)
+            raise ConfigError([f"checkpoint.resume: {cfg.checkpoint.resume} cannot be resumed from: {why}; rule: a "
+                               "complete checkpoint (checkpoints/step-NNNNNN of a run) whose files match its marker; "
+                               f"fix: checkpoint.resume={near or 'auto'}"])
+    created = not os.path.isdir(rd.path)
+    os.makedirs(rd.path, exist_ok=True)  # the lock lives inside
+    lock = RunLock(rd.path)
+    try:
+        lock.acquire()
+    except LockHeld as e:
+        raise ConfigError([str(e)]) from None
+    cleanup.callback(lock.release)
+    if lock.taken_over:
+        h = lock.taken_over
+        logger.info(f"{LOCK}: taking over the lock of pid {h.get('pid', '?')} on host {h.get('host', '?')} "
+                    f"(started {h.get('started', '?')}), which ended without releasing it")
+    try:
+        return _resume_point(cfg, rd, explicit)
+    except ConfigError:
+        lock.release()
+        if created:
+            with contextlib.suppress(OSError):
+                os.rmdir(rd.path)  # only when empty
+        raise
+
+
+def _resume_point(cfg: Config, rd: RunDir, explicit: bool) -> tuple[str | None, list[tuple[str, str]]]:
+    """In a locked run directory: (checkpoint to resume from or None, damaged ones newer than it)."""
+    if not [n for n in os.listdir(rd.path) if n != LOCK]:
+        return (cfg.checkpoint.resume if explicit else None), []
+    if explicit:  # verified by _claim
+        found, damaged = cfg.checkpoint.resume, []
+    else:
+        found, damaged = ckpt.newest_loadable(rd.checkpoints)
+    for path, why in damaged:
+        logger.warning(f"checkpoint {path} is damaged ({why})" + (f"; using {found}" if found else ""))
+    if cfg.checkpoint.resume == "never" or found is None:
+        what = "" if found is not None else (" whose checkpoints are all damaged" if damaged else
+                                             " with no complete checkpoint")
+        raise ConfigError([f"run_name: {rd.path} already holds a run{what}; rule: a run directory is never "
+                           "overwritten; fix: choose another run_name"
+                           + ("" if found is None else " or checkpoint.resume=auto to continue it")])
+    summary = read_json(rd.file("summary.json")) if os.path.exists(rd.file("summary.json")) else {}
+    done = max(ckpt.read_marker(found)["step"], summary.get("steps") or 0)
+    if summary.get("status") == "completed" and done >= cfg.train.max_steps:
+        raise ConfigError([f"run_name: {rd.path} already completed {done} steps; rule: a finished run is not "
+                           f"overwritten; fix: another run_name, or train.max_steps > {done} to continue it"])
+    return found, damaged
 
 
 def make_engine(cfg: Config, spec: RunSpec, hw: Hardware, hf_config, rd: RunDir, state: dict | None = None,
@@ -342,7 +439,8 @@ def make_engine(cfg: Config, spec: RunSpec, hw: Hardware, hf_config, rd: RunDir,
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, weight_dtype(cfg, spec.engine, spec.precision), hf_config, device=spec.device,
                         precision=spec.precision, checkpointing=spec.checkpointing,
-                        checkpoint_every=spec.checkpoint_every)
+                        checkpoint_every=spec.checkpoint_every, offload_activations=spec.offload_activations,
+                        pin_memory=spec.offload_activations and engines.offload_pinning(spec, hw)[0])
     if state is not None:
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -360,6 +458,14 @@ def make_engine(cfg: Config, spec: RunSpec, hw: Hardware, hf_config, rd: RunDir,
 
 
 _PROCESS: list = []  # this process's psutil handle, made once (making one reads /proc: tens of microseconds a step)
+def disk_advice(e: OSError, rd: RunDir, last_ckpt: str | None) -> str:
+    """The diagnosis of a run that a full disk stopped: what did not fit, and how to go on."""
+    what = str(e) if isinstance(e, DiskFull) else disk_full_message(f"a write ({e})", rd.path)
+    if last_ckpt:
+        return (f"{what}; the last good checkpoint is {last_ckpt}; fix: free space on that disk (or lower "
+                "checkpoint.keep_last), then run the same command again to resume from it")
+    return (f"{what}; no checkpoint was written yet; fix: free space on that disk, or choose an output_dir on "
+            "another, and start again with a new run_name")
 
 
 def memory_now(device: torch.device) -> dict:

@@ -16,6 +16,7 @@ from dataclasses import replace
 
 from launcher import bench, calibrate, planner
 from launcher.config import ConfigError, load_config, to_yaml
+from launcher.data import settle_formats
 from launcher.hardware import probe
 from launcher.log import logger
 from launcher.profiles import PROFILES
@@ -39,7 +40,7 @@ def tune(path: str | None, overrides: list[str], *, top: int = 3, out_yaml: str 
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise ConfigError([f"--dir: {out_dir!r} holds earlier results; rule: tune never overwrites them; fix: "
                            "another --dir, or remove it yourself"], "command line")
-    cfg = load_config(path, overrides)
+    cfg = settle_formats(load_config(path, overrides))  # packed instruction batches are planned as they run
     hw = probe()
     machine = calibrate.load_or_calibrate()
     plan = planner.plan(cfg, hw, machine=machine)

@@ -26,8 +26,10 @@ from packaging.utils import canonicalize_name
 
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 top = [Requirement(r) for r in project["dependencies"]]
-for reqs in project.get("optional-dependencies", {}).values():
-    top += [Requirement(r) for r in reqs]
+GPU_ONLY = {"kernels"}  # Triton kernels: installable only with CUDA, so neither locked nor checked here
+for extra, reqs in project.get("optional-dependencies", {}).items():
+    if extra not in GPU_ONLY:
+        top += [Requirement(r) for r in reqs]
 
 pins, missing = {}, []
 todo = [(r, str(r.marker) if r.marker else "") for r in top]  # a marker in pyproject travels to the pin

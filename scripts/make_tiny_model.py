@@ -37,7 +37,7 @@ def strings(obj):
 
 def corpus(paths: list[str]) -> list[str]:
     sys.path.insert(0, ROOT)
-    from launcher.data.files import ALPACA_NO_INPUT, ALPACA_WITH_INPUT
+    from launcher.data.formats import ALPACA_NO_INPUT, ALPACA_WITH_INPUT
 
     texts = [ALPACA_WITH_INPUT, ALPACA_NO_INPUT, "system user assistant"]
     for p in paths:

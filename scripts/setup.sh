@@ -35,4 +35,13 @@ else
   "$VENV/bin/python" -m pip install -q -c "$LOCK" --build-constraint "$LOCK" -e ".[${EXTRAS}]"
 fi
 echo "$LOCK" > "$VENV/vramfit-lock"  # what the tests compare the environment with (tests/test_install.py)
+# NVMe offload (ZeRO-Infinity) needs libaio for DeepSpeed's async_io op: installed when we can (root with apt),
+# never a reason to fail set-up (`vramfit doctor` says when async_io cannot build)
+if [[ ",${EXTRAS}," == *",deepspeed,"* ]] && [ ! -e /usr/include/libaio.h ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing libaio-dev (NVMe offload)"; apt-get install -y -q libaio-dev >/dev/null 2>&1 ||
+      { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libaio-dev >/dev/null 2>&1; } ||
+      echo "setup: libaio-dev did not install; NVMe offload profiles stay off (vramfit doctor)"
+  else echo "setup: no libaio (not root with apt): NVMe offload profiles stay off; apt-get install libaio-dev"; fi
+fi
 if [[ ",${EXTRAS}," == *",deepspeed,"* ]]; then "$VENV/bin/vramfit" doctor --build-ops; fi

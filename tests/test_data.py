@@ -156,7 +156,8 @@ def test_empty_after_filtering(model_dir, tmp_path):
 def test_unknown_extension_and_directory(model_dir, tmp_path):
     (tmp_path / "d.xml").write_text("<a/>")
     assert "'.xml'" in problem(model_dir, str(tmp_path / "d.xml"))
-    assert "is a directory" in problem(model_dir, str(tmp_path))
+    # a folder is a source of shards now (issue 17); one without data files says so
+    assert "holds no data files" in problem(model_dir, str(tmp_path))
 
 
 def test_preset_without_tokenizer_and_file_data(tmp_path):

@@ -279,7 +279,8 @@ def test_plan_json_contract():
     assert set(doc["budget"]) >= {"gpu_bytes", "cpu_bytes", "gpu_source", "cpu_source"}
     for row in doc["profiles"]:
         assert {"profile", "gpu_bytes", "cpu_bytes", "fits", "parts", "speed_rank", "micro_batch", "why_not"} <= set(row)
-        assert set(row["parts"]) == {"gpu", "cpu"}
+        # NVMe offload rows add what goes to memory.nvme_path (docs/more-room.md)
+        assert set(row["parts"]) == {"gpu", "cpu"} | ({"disk"} if "nvme" in row["profile"] else set())
     assert doc["chosen"] in [r["profile"] for r in doc["profiles"]]
     text = report.format_table(p)
     assert "chosen: " + doc["chosen"] in text and "GPU peak GiB" in text
@@ -334,7 +335,7 @@ def test_auto_micro_batch_is_the_largest_power_of_two_that_fits():
 
 def test_nothing_fits_gives_suggestions_that_fit():
     base = ["model.name=tiny", "data.seq_len=1024", "train.micro_batch_size=8", "train.global_batch_size=8",
-            "memory.cpu_budget=16", "model.gradient_checkpointing=false"]
+            "memory.cpu_budget=16", "model.gradient_checkpointing=false", "memory.offload_activations=off"]
     hw, amp = fake_hw(capability=(7, 5)), ["amp-fp16"]  # one profile: one trace family, a faster test
     roomy = planner.plan(load_config(None, base), hw, profiles=amp)
     least = min(r.gpu_bytes for r in roomy.profiles if r.available)

@@ -51,7 +51,8 @@ def test_every_profile_resolves_and_deepspeed_accepts_it(p):
 
     assert find_auto(profiles.ds_config_template(p))  # the shipped file keeps run-dependent values open
     cfg = resolve_ds_config(p, micro_batch=2, accumulation=4, world=1, grad_clip=1.0, lr=1e-4, betas=(0.9, 0.95),
-                            eps=1e-8, weight_decay=0.0, hidden_size=4096, pin_memory=False)
+                            eps=1e-8, weight_decay=0.0, hidden_size=4096, pin_memory=False,
+                            nvme_path="/tmp/vramfit-nvme")  # memory.nvme_path: only the NVMe profiles read it
     assert find_auto(cfg) == []
     ds = DeepSpeedConfig(cfg)  # pydantic, extra keys forbidden: a typo in our table fails here
     assert ds.zero_optimization_stage == p.zero_stage

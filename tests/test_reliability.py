@@ -159,7 +159,10 @@ def test_ladder_sequence_is_pure_and_complete():
         r = m.to
     assert seen == [("micro_batch", 4, 2, False, "zero2-bf16"), ("micro_batch", 2, 4, False, "zero2-bf16"),
                     ("micro_batch", 1, 8, False, "zero2-bf16"), ("checkpointing", 1, 8, True, "zero2-bf16"),
-                    ("profile", 1, 8, True, "zero2-bf16-offload-opt"), ("profile", 1, 8, True, "zero3-bf16-offload-all")]
+                    ("profile", 1, 8, True, "zero2-bf16-offload-opt"), ("profile", 1, 8, True, "zero3-bf16-offload-all"),
+                    # NVMe last (availability offers them only with memory.nvme_path set)
+                    ("profile", 1, 8, True, "zero3-bf16-offload-nvme-opt"),
+                    ("profile", 1, 8, True, "zero3-bf16-offload-nvme-all")]
     assert next_move(Rung(6, 2, True, "amp-fp32"), []).to.micro_batch == 3
 
 

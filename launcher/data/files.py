@@ -1,65 +1,188 @@
-"""Local data files -> :class:`launcher.data.tokens.TokenData`, through ``datasets``.
+"""A :class:`~launcher.data.sources.Source` -> a ``datasets.Dataset`` of records (memory-mapped Arrow), and every way
+that can fail named: which shard, which line, which byte, the rule and the fix.
 
-Files: ``.jsonl``, ``.json`` (an array of records, or JSON lines), ``.csv``, ``.parquet``, ``.txt``
-(one record per paragraph: blocks separated by blank lines). Record formats (``data.format``,
-``auto`` picks from the fields):
-
-- ``text``: plain text in ``data.text_field``; every token is in the loss. With ``data.packing``
-  the records are joined (each ends with eos) and cut into ``seq_len`` blocks, so no padding is
-  wasted; without it each record is one sample, cut or padded to ``seq_len``.
-- ``prompt_response``: ``data.prompt_field`` + ``data.response_field``, joined as written (put
-  your own separator in the prompt); the prompt is masked out of the loss (labels -100).
-- ``alpaca``: ``instruction``, optional ``input``, ``output``, in the Alpaca prompt template.
-- ``messages``: a chat, ``[{"role": ..., "content": ...}, ...]``, rendered with the tokenizer's
-  chat template when it has one (else ``role: content`` lines); only assistant turns are trained.
-
-Instruction records are one sample each (cut at ``seq_len``, padded with the pad token, which is
-never in the loss). Every problem is a :class:`ConfigError` naming the file, the line or field,
-and the fix, raised before the run directory is made.
+``load_dataset`` does the reading (json, csv, parquet, text by paragraph, arrow; ``data.encoding`` for the text
+formats). When it fails, :func:`diagnose` looks at each shard on its own (empty, not in the encoding, a JSON
+line that does not parse, a parquet file that does not open, fields that differ from the first shard) so the
+error names the shard and the line instead of a pyarrow traceback. :func:`locate` turns a record number back
+into a file and a line, for the records dropped as invalid.
 """
 
 from __future__ import annotations
 
+import codecs
+import csv
 import json
 import os
 
-from launcher.config import Config, ConfigError
-from launcher.data.tokens import IGNORE, TokenData, pad_id, pad_rows, tokenize_chats, tokenize_pairs, tokenize_text
-from launcher.log import logger
+from launcher.config import ConfigError
+from launcher.data.sources import Source
 
-EXTENSIONS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
-ALPACA_WITH_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further "
-                     "context. Write a response that appropriately completes the request.\n\n"
-                     "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
-ALPACA_NO_INPUT = ("Below is an instruction that describes a task. Write a response that appropriately completes "
-                   "the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
+def show(path: str) -> str:
+    """A path as messages print it: relative to the working directory when under it."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
 
 # ----------------------------------------------------------------------------------------------
-# Reading the file
+# Reading
 
 
-def resolve_path(cfg: Config) -> tuple[str, str]:
-    """(absolute path, datasets builder) of ``data.source``, or a ConfigError saying what is wrong."""
-    src = cfg.data.source
-    path = os.path.abspath(os.path.expanduser(src))
-    if not os.path.exists(path):
-        raise ConfigError([f"data.source: {src!r} not found (looked for {path}); rule: 'synthetic' or an existing "
-                           f"{'/'.join(e[1:] for e in EXTENSIONS)} file; fix: check the path (relative paths start "
-                           f"from {os.getcwd()})"], "data")
-    if os.path.isdir(path):
-        raise ConfigError([f"data.source: {src!r} is a directory; rule: one data file; fix: data.source=<a "
-                           f"{'/'.join(e[1:] for e in EXTENSIONS)} file inside it>"], "data")
-    ext = os.path.splitext(path)[1].lower()
-    if ext not in EXTENSIONS:
-        raise ConfigError([f"data.source: {src!r} has extension {ext or '(none)'!r}; rule: one of "
-                           f"{', '.join(EXTENSIONS)}; fix: convert the file or rename it to the extension of its format"], "data")
-    return path, EXTENSIONS[ext]
+_HUB: dict = {}  # (id, name, split) -> dataset: asked for its fields, its fingerprint and its records once
 
 
-def _first_bad_json_line(path: str) -> str | None:
+def load_hub(src: Source):
+    """A hub dataset through ``load_dataset`` (name, config, split); a ConfigError when it cannot be had."""
+    import datasets
+
+    key = (src.path, src.name, src.split)
+    try:
+        if key not in _HUB:
+            _HUB.clear()  # one at a time: a dataset object is small, but keeps its Arrow files open
+            _HUB[key] = datasets.load_dataset(src.path, src.name or None, split=src.split)
+        return _HUB[key]
+    except Exception as e:  # noqa: BLE001 (network, auth and missing-dataset errors have many types)
+        msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+        raise ConfigError([f"{src.label}: not a local file or folder (looked for {os.path.abspath(src.path)}), and "
+                           f"the hub dataset could not be loaded ({type(e).__name__}: {msg}); rule: a path that exists, "
+                           "or a hub dataset id reachable from here; fix: check the path, or download the dataset where "
+                           "the network allows and point the source at its files"], "data") from None
+
+
+def read_records(src: Source, encoding: str, cache_dir: str, num_proc: int = 1):
+    """The source's records as one ``datasets.Dataset`` (row i = record i of the files in order)."""
+    import datasets
+
+    if src.builder == "hub":
+        return load_hub(src)
+    for f in src.files:
+        if f.endswith(".json"):
+            problem = _json_problem(f, src, encoding)
+            if problem:
+                raise ConfigError([problem], "data")
+    kwargs = {}
+    if src.builder == "text":
+        kwargs = {"sample_by": "paragraph", "encoding": encoding}
+    elif src.builder in ("json", "csv"):
+        kwargs = {"encoding": encoding}
+    level = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error lines would repeat ours
+    try:
+        return datasets.load_dataset(src.builder, data_files=list(src.files), split="train", cache_dir=cache_dir,
+                                     num_proc=min(num_proc, len(src.files)) if num_proc > 1 and len(src.files) > 1
+                                     else None, **kwargs)
+    except Exception as e:  # noqa: BLE001 (pyarrow/pandas raise many types; the shard and cause are named below)
+        raise read_error(src, encoding, e) from None
+    finally:
+        datasets.logging.set_verbosity(level)
+
+
+def read_error(src: Source, encoding: str, e: BaseException) -> ConfigError:
+    """The precise problem behind a failed read (which shard, which line), else the library's own message."""
+    problem = diagnose(src, encoding)
+    if problem:
+        return ConfigError([problem], "data")
+    cause = e
+    while cause.__cause__ is not None or cause.__context__ is not None:
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, StopIteration) or "corresponds to no data" in str(e):
+        return ConfigError([f"{src.label} holds no records; rule: at least one; fix: check the file"], "data")
+    text = str(cause).splitlines()[0][:300] if str(cause) else ""
+    return ConfigError([f"{src.label} could not be read as {src.builder} ({type(cause).__name__}: {text}); rule: "
+                        f"well-formed {src.builder} files; fix: correct the file"], "data")
+
+
+# ----------------------------------------------------------------------------------------------
+# Diagnosis, one shard at a time
+
+
+def diagnose(src: Source, encoding: str) -> str | None:
+    """The first problem found in the source's shards, as 'label: shard, line: what; rule; fix', or None."""
+    first_fields = None
+    for f in src.files:
+        name = f if len(src.files) == 1 else f"shard {show(f)}"
+        where = src.label if len(src.files) == 1 else f"{src.label} {name}"
+        if os.path.getsize(f) == 0:
+            return f"{where} is empty (0 bytes); rule: every data file holds at least one record; fix: delete it"
+        if src.builder in ("json", "csv", "text"):
+            bad = encoding_problem(f, encoding)
+            if bad:
+                return f"{where}: {bad}"
+        if src.builder == "json":
+            bad = _json_problem(f, src, encoding) if f.endswith(".json") else _first_bad_json_line(f, encoding)
+            if bad:
+                return bad if bad.startswith(src.key) else (f"{where} {bad}; rule: JSON lines hold one JSON object per "
+                                                             "line; fix: correct that line (or delete it)")
+        fields = None
+        if src.builder == "parquet":
+            import pyarrow.parquet as pq
+
+            try:
+                pf = pq.ParquetFile(f)
+                fields = list(pf.schema_arrow.names)
+                for i in range(pf.num_row_groups):
+                    pf.read_row_group(i, columns=fields[:1])
+            except Exception as e:  # noqa: BLE001 (pyarrow raises several types for damaged files)
+                return (f"{where} does not parse as parquet ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                        "rule: every shard is a complete parquet file; fix: re-export that shard or remove it")
+        elif src.builder == "csv":
+            with open(f, encoding=encoding, newline="") as fh:
+                fields = next(csv.reader(fh), [])
+        elif src.builder == "json":
+            fields = _json_fields(f, encoding)
+        if fields is not None:
+            if first_fields is None:
+                first_fields = (fields, f)
+            elif sorted(fields) != sorted(first_fields[0]):
+                return (f"{where} has fields {fields}, but {show(first_fields[1])} has {first_fields[0]}; "
+                        "rule: the shards of one source hold the same fields; fix: rename the fields of that shard, "
+                        "or make it a separate entry of data.sources")
+    return None
+
+
+def encoding_problem(path: str, encoding: str, chunk: int = 1 << 20) -> str | None:
+    """Where ``path`` stops decoding as ``encoding``: 'byte 0xE9 at line 3 (offset 41) is not valid utf-8 ...'."""
+    dec = codecs.getincrementaldecoder(encoding)("strict")
+    offset, lines = 0, 1
+    with open(path, "rb") as fh:
+        while True:
+            block = fh.read(chunk)
+            try:
+                dec.decode(block, final=not block)
+            except UnicodeDecodeError as e:
+                pos = max(0, e.start)
+                at = offset + pos
+                line = lines + block[:pos].count(b"\n")
+                bad = block[pos:pos + 1]
+                return (f"byte 0x{bad.hex().upper()} at line {line} (byte offset {at}) is not valid {encoding}; rule: "
+                        f"text files are read as data.encoding ({encoding}); fix: data.encoding={_guess(path, at)}, or "
+                        f"convert the file to UTF-8 (iconv -f {_guess(path, at)} -t utf-8)")
+            if not block:
+                return None
+            offset += len(block)
+            lines += block.count(b"\n")
+
+
+def _guess(path: str, at: int) -> str:
+    """The encoding a file that is not UTF-8 most likely has: UTF-16 by its byte-order mark, else cp1252 (Windows
+    Western), else latin-1 (which decodes any byte)."""
+    with open(path, "rb") as fh:
+        head = fh.read(4)
+        fh.seek(max(0, at - 2000))
+        around = fh.read(4000)
+    if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        return "utf-16"
+    try:
+        around.decode("cp1252")
+        return "cp1252"
+    except UnicodeDecodeError:
+        return "latin-1"
+
+
+def _first_bad_json_line(path: str, encoding: str) -> str | None:
     """'line N: <error>' for the first line of a JSON-lines file that does not parse (None if all do)."""
-    with open(path, encoding="utf-8", errors="replace") as fh:
+    with open(path, encoding=encoding, errors="replace") as fh:
         for n, line in enumerate(fh, 1):
             if not line.strip():
                 continue
@@ -72,232 +195,106 @@ def _first_bad_json_line(path: str) -> str | None:
     return None
 
 
-def _json_problem(path: str, src: str) -> str | None:
-    """A precise description of why a .json/.jsonl file does not load, or None if it parses."""
-    with open(path, encoding="utf-8", errors="replace") as fh:
+def _json_fields(path: str, encoding: str) -> list[str] | None:
+    with open(path, encoding=encoding, errors="replace") as fh:
+        if path.endswith(".json") and fh.read(1 << 12).lstrip().startswith("["):
+            return None  # an array: _json_problem has checked it whole
+        fh.seek(0)
+        for line in fh:
+            if line.strip():
+                rec = json.loads(line)
+                return sorted(rec) if isinstance(rec, dict) else None
+    return None
+
+
+def _json_problem(path: str, src: Source, encoding: str) -> str | None:
+    """Why a .json file does not hold records (an array of objects, or JSON lines), or None if it does."""
+    with open(path, encoding=encoding, errors="replace") as fh:
         text = fh.read()
-    if path.endswith(".json") and text.lstrip().startswith("["):
+    where = src.label if len(src.files) == 1 else f"{src.label} shard {show(path)}"
+    if text.lstrip().startswith("["):
         try:
             recs = json.loads(text)
         except json.JSONDecodeError as e:
-            return (f"data.source: {src!r} line {e.lineno}: {e.msg} at column {e.colno}; rule: a JSON array of "
-                    "objects, or one JSON object per line; fix: correct that line")
+            return (f"{where} line {e.lineno}: {e.msg} at column {e.colno}; rule: a JSON array of objects, or one JSON "
+                    "object per line; fix: correct that line")
         bad = next((i for i, r in enumerate(recs) if not isinstance(r, dict)), None)
         if bad is not None:
-            return (f"data.source: {src!r} element {bad} of the array is a {type(recs[bad]).__name__}; rule: every "
-                    "record is a JSON object; fix: wrap it as {\"text\": ...} or remove it")
+            return (f"{where} element {bad} of the array is a {type(recs[bad]).__name__}; rule: every record is a "
+                    "JSON object; fix: wrap it as {\"text\": ...} or remove it")
         return None
-    if path.endswith(".json") and text.lstrip().startswith("{") and "\n" in text.strip():
+    if text.lstrip().startswith("{") and "\n" in text.strip():
         try:
             whole = json.loads(text)
         except json.JSONDecodeError:
             whole = None  # JSON lines: checked line by line below
         if isinstance(whole, dict):
             lists = [k for k, v in whole.items() if isinstance(v, list)]
-            where = f"the list under {lists[0]!r} " if lists else "the records "
-            return (f"data.source: {src!r} holds one JSON object spread over several lines (keys: "
-                    f"{', '.join(list(whole)[:8])}); rule: a JSON array of records, or one record per line; fix: "
-                    f"save {where}as a top-level array [...] or as JSON lines")
-    bad = _first_bad_json_line(path)
+            target = f"the list under {lists[0]!r} " if lists else "the records "
+            return (f"{where} holds one JSON object spread over several lines (keys: {', '.join(list(whole)[:8])}); "
+                    f"rule: a JSON array of records, or one record per line; fix: save {target}as a top-level array "
+                    "[...] or as JSON lines")
+    bad = _first_bad_json_line(path, encoding)
     if bad:
-        return (f"data.source: {src!r} {bad}; rule: JSON lines hold one JSON object per line; fix: correct that line "
-                "(or delete it)")
+        return f"{where} {bad}; rule: JSON lines hold one JSON object per line; fix: correct that line (or delete it)"
     return None
 
 
-def read_records(cfg: Config):
-    """The file as a ``datasets.Dataset`` (one row per record)."""
-    import datasets
-
-    path, builder = resolve_path(cfg)
-    src = cfg.data.source
-    if builder == "json":
-        problem = _json_problem(path, src)
-        if problem:
-            raise ConfigError([problem], "data")
-    datasets.disable_progress_bars()
-    kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
-    level = datasets.logging.get_verbosity()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error lines would repeat ours
-    try:
-        ds = datasets.load_dataset(builder, data_files=path, split="train", **kwargs)
-    except Exception as e:  # noqa: BLE001 (pyarrow/pandas raise many types; the cause is named in the message)
-        cause = e.__cause__ or e.__context__ or e
-        if "corresponds to no data" in str(e) or "corresponds to no data" in str(cause):
-            raise ConfigError([f"data.source: {src!r} holds no records; rule: at least one; fix: check the file"],
-                              "data") from None
-        raise ConfigError([f"data.source: {src!r} could not be read as {builder} ({type(cause).__name__}: "
-                           f"{str(cause).splitlines()[0][:300] if str(cause) else ''}); rule: a well-formed "
-                           f"{os.path.splitext(path)[1]} file; fix: correct the file"], "data") from None
-    finally:
-        datasets.logging.set_verbosity(level)
-    return ds, path
-
-
 # ----------------------------------------------------------------------------------------------
-# Record formats
+# Record number -> file and line
 
 
-def detect_format(cfg: Config, fields: list[str], src: str) -> str:
-    d = cfg.data
-    need = {"text": [d.text_field], "prompt_response": [d.prompt_field, d.response_field],
-            "alpaca": ["instruction", "output"], "messages": ["messages"]}
-    if d.format != "auto":
-        missing = [f for f in need[d.format] if f not in fields]
-        if missing:
-            raise ConfigError([f"data.source: {src!r} records have fields {fields}, but data.format={d.format} needs "
-                               f"{need[d.format]} (missing {missing}); fix: rename the fields in the file, set "
-                               f"{_field_fix(d.format)}, or data.format=auto"], "data")
-        return d.format
-    for fmt in ("messages", "alpaca", "prompt_response", "text"):
-        if all(f in fields for f in need[fmt]):
-            return fmt
-    wants = "; ".join(f"{k}: {', '.join(v)}" for k, v in need.items())
-    raise ConfigError([f"data.source: {src!r} records have fields {fields}; rule: one record format's fields must be "
-                       f"there ({wants}); fix: rename the fields in the file, or point data.text_field / "
-                       f"data.prompt_field / data.response_field at yours (e.g. data.text_field={fields[0] if fields else 'text'})"],
-                      "data")
+def _records(path: str, builder: str, encoding: str) -> list[str]:
+    """Where each record of one file starts, as 'line N' (or 'element N', 'row N')."""
+    if builder == "parquet":
+        import pyarrow.parquet as pq
+
+        return [f"row {i + 1}" for i in range(pq.ParquetFile(path).metadata.num_rows)]
+    if builder == "arrow":
+        import pyarrow as pa
+
+        with pa.memory_map(path) as mm:
+            n = pa.ipc.open_stream(mm).read_all().num_rows
+        return [f"row {i + 1}" for i in range(n)]
+    with open(path, encoding=encoding, newline="") as fh:
+        if builder == "csv":
+            reader = csv.reader(fh)
+            next(reader, None)
+            out, line = [], reader.line_num + 1
+            for _ in reader:
+                out.append(f"line {line}")
+                line = reader.line_num + 1
+            return out
+        if builder == "text":  # paragraphs: blocks separated by a blank line, as datasets' text builder cuts them
+            out, line = [], 1
+            for para in fh.read().split("\n\n"):
+                if para:
+                    out.append(f"line {line}")
+                line += para.count("\n") + 2
+            return out
+        text = fh.read()
+        if text.lstrip().startswith("[") and path.endswith(".json"):
+            return [f"element {i}" for i in range(len(json.loads(text)))]
+        return [f"line {n}" for n, ln in enumerate(text.split("\n"), 1) if ln.strip()]
 
 
-def _field_fix(fmt: str) -> str:
-    return {"text": "data.text_field=<your field>",
-            "prompt_response": "data.prompt_field=<field> data.response_field=<field>"}.get(fmt, "another data.format")
-
-
-def _str(x) -> str | None:
-    return x if isinstance(x, str) else (None if x is None else str(x))
-
-
-def _render_plain_chat(messages: list[dict], upto: int, generation_prompt: bool) -> str:
-    out = "".join(f"{m['role']}: {m['content']}\n" for m in messages[:upto])
-    return out + ("assistant: " if generation_prompt else "")
-
-
-def chat_segments(messages: list[dict], tokenizer) -> list[tuple[str, bool]] | None:
-    """The chat as (text, trained) pieces: assistant replies trained, everything else masked.
-
-    With a chat template each assistant reply is the text the template adds between the prompt
-    rendered with ``add_generation_prompt=True`` and the chat including that reply (end-of-turn
-    tokens included, so the model learns to stop). Templates that do not render prefixes
-    consistently (some add text only to the last turn) fall back to training the last reply only.
-    """
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages):
-        return None
-    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    if not turns:
-        return None
-    template = getattr(tokenizer, "chat_template", None)
-    eos = tokenizer.eos_token or ""
-
-    def render(upto: int, gen: bool) -> str:
-        if upto == 0:
-            return ""
-        if template:
-            return tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=gen)
-        text = _render_plain_chat(messages, upto, gen)
-        if not gen and messages[upto - 1]["role"] == "assistant":  # end the reply with eos
-            text = text[:-1] + eos + "\n"
-        return text
-
-    def pieces(which: list[int]) -> list[tuple[str, bool]] | None:
-        out, done = [], ""
-        for i in which:
-            head, full = render(i, True), render(i + 1, False)
-            if not (head.startswith(done) and full.startswith(head)):
-                return None
-            out += [(head[len(done):], False), (full[len(head):], True)]
-            done = full
-        rest = render(len(messages), False)
-        if not rest.startswith(done):
-            return None
-        out.append((rest[len(done):], False))
-        return out
-
-    return pieces(turns) or pieces(turns[-1:])
-
-
-# ----------------------------------------------------------------------------------------------
-# Tokenizing
-
-
-# ----------------------------------------------------------------------------------------------
-# The entry point
-
-
-def check_tokenizer(cfg: Config, tokenizer, src: str) -> None:
-    if tokenizer is None:
-        raise ConfigError([f"data.source: {src!r} needs a tokenizer, and model.name={cfg.model.name!r} has none "
-                           "(presets are random models without one); rule: text data is tokenized with the model's "
-                           "tokenizer; fix: model.name=<a model directory with tokenizer files>, or "
-                           "data.source=synthetic"], "data")
-    if tokenizer.eos_token_id is None:
-        raise ConfigError([f"model.name: the tokenizer of {cfg.model.name!r} has no eos token; rule: records end with "
-                           "eos so the model learns to stop; fix: set \"eos_token\" in tokenizer_config.json"], "data")
-
-
-def load_file_data(cfg: Config, tokenizer, vocab_size: int | None = None) -> TokenData:
-    """Read, check, format and tokenize ``data.source``; every problem is a ConfigError."""
-    src = cfg.data.source
-    ds, path = read_records(cfg)  # missing file, bad JSON line: named before anything else
-    check_tokenizer(cfg, tokenizer, src)
-    fields = list(ds.column_names)
-    fmt = detect_format(cfg, fields, src) if len(ds) else None
-    if fmt is None:
-        raise ConfigError([f"data.source: {src!r} holds no records; rule: at least one; fix: check the file"], "data")
-    d, seq_len = cfg.data, cfg.data.seq_len
-    skipped = 0
-    if fmt == "text":
-        texts = [t for t in (_str(x) for x in ds[d.text_field]) if t and t.strip()]
-        skipped = len(ds) - len(texts)
-        data, how = tokenize_text(texts, tokenizer, seq_len, d.packing) if texts else (None, "")
-        n_records, masked_note = len(texts), "all tokens in the loss"
-    else:
-        if fmt == "messages":
-            if not getattr(tokenizer, "chat_template", None):
-                logger.info(f"the tokenizer of {cfg.model.name} has no chat template: chats are rendered as 'role: content' "
-                     "lines, each assistant reply ending with eos")
-            chats = [chat_segments(m, tokenizer) for m in ds["messages"]]
-            skipped = sum(c is None for c in chats)
-            rows, cut, dropped = tokenize_chats([c for c in chats if c is not None], tokenizer, seq_len)
-        else:
-            if fmt == "prompt_response":
-                pairs = [(_str(p), _str(r)) for p, r in zip(ds[d.prompt_field], ds[d.response_field])]
-            else:
-                inputs = ds["input"] if "input" in fields else [None] * len(ds)
-                pairs = [((ALPACA_WITH_INPUT if _str(x) else ALPACA_NO_INPUT).format(instruction=_str(i), input=_str(x))
-                          if _str(i) is not None else None, _str(o))
-                         for i, x, o in zip(ds["instruction"], inputs, ds["output"])]
-            keep = [(p, r) for p, r in pairs if p is not None and r is not None and r.strip()]
-            skipped = len(pairs) - len(keep)
-            rows, cut, dropped = tokenize_pairs([p for p, _ in keep], [r for _, r in keep], tokenizer, seq_len)
-        n_records = len(ds) - skipped
-        data = pad_rows(rows, seq_len, pad_id(tokenizer)) if rows else None
-        how = f"one sample per record, {cut} cut at {seq_len} tokens"
-        if dropped:
-            how += f", {dropped} dropped (prompt alone fills seq_len {seq_len})"
-        skipped_all = skipped + dropped
-        masked_note = "prompt tokens masked out of the loss"
-        skipped = skipped_all
-    if data is None or len(data) == 0:
-        why = {"text": f"every {d.text_field!r} is empty",
-               "prompt_response": f"every record lacks a non-empty {d.response_field!r} or has prompts longer than "
-                                  f"seq_len {seq_len}",
-               "alpaca": f"every record lacks a non-empty 'output' or has prompts longer than seq_len {seq_len}",
-               "messages": "no record holds a valid chat (a list of {role, content} with an assistant turn) that "
-                           f"fits seq_len {seq_len}"}[fmt]
-        raise ConfigError([f"data.source: {src!r} is empty after filtering ({len(ds)} records read, {skipped} "
-                           f"skipped: {why}); rule: at least one trainable sample; fix: check the fields "
-                           f"({fields}) and data.format, or raise data.seq_len"], "data")
-    top = int(data.input_ids.max())
-    if vocab_size is not None and top >= vocab_size:
-        raise ConfigError([f"model.name: the tokenizer of {cfg.model.name!r} produced token id {top}, but the model "
-                           f"embeds only {vocab_size} ids; rule: tokenizer and model must belong together; fix: save the "
-                           "model's own tokenizer into its directory (or resize the embeddings before fine-tuning)"])
-    share = float((data.labels != IGNORE).float().mean())
-    data.description = (f"{os.path.basename(path)}: {n_records} {fmt} records"
-                        + (f" ({skipped} skipped)" if skipped else "")
-                        + f", {how}; {masked_note}, {100 * share:.0f}% of positions trained")
-    data.tokenizer = tokenizer
-    return data
+def locate(src: Source, indices: list[int], encoding: str) -> dict[int, str]:
+    """{record index: 'file line N'} for a few records of ``src`` (the files are read up to the last one)."""
+    if src.builder == "hub":
+        return {i: f"{src.path} ({src.split}) row {i + 1}" for i in indices}
+    out, start = {}, 0
+    want = sorted(set(indices))
+    for f in src.files:
+        if not want:
+            break
+        try:
+            where = _records(f, src.builder, encoding)
+        except (OSError, ValueError, UnicodeDecodeError):
+            where = []
+        while want and want[0] < start + len(where):
+            i = want.pop(0)
+            out[i] = f"{show(f)} {where[i - start]}"
+        start += len(where)
+    for i in want:
+        out[i] = f"record {i + 1}"
+    return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from launcher.data.tokens import TokenData
+from launcher.data.tokens import FixedRows, TokenData
 
 
 def synthetic_task(num_samples: int, seq_len: int, vocab_size: int, seed: int) -> TokenData:
@@ -21,7 +21,8 @@ def synthetic_task(num_samples: int, seq_len: int, vocab_size: int, seed: int) -
     for t in range(1, seq_len):
         pick = (torch.rand(num_samples, generator=g) < 0.2).long()
         x[:, t] = succ[x[:, t - 1], pick]
-    return TokenData(x, x.clone(), f"synthetic Markov chain (vocab {vocab_size}, entropy 0.50 nats/token)")
+    return TokenData(FixedRows(x), seq_len, description=f"synthetic Markov chain (vocab {vocab_size}, entropy 0.50 "
+                     "nats/token)")
 
 
 SYNTHETIC_ENTROPY = 0.5004024235381879  # -(0.8 ln 0.8 + 0.2 ln 0.2)

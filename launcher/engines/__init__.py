@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from launcher import user_ds_config
 from launcher.engines.amp import AmpEngine
-from launcher.engines.base import make_optimizer
+from launcher.engines.base import Levers, make_optimizer
 from launcher.engines.deepspeed import DeepSpeedEngine
 from launcher.engines.fsdp import FsdpEngine
 from launcher.hardware import Hardware, pin_memory_ok
 from launcher.log import logger
+from launcher.loss import liger_available
 from launcher.models import param_groups
 from launcher.profiles import resolve_ds_config
 
@@ -22,6 +23,7 @@ def build(cfg, spec, model, hw: Hardware, hidden_size: int, lr: float):
     t = cfg.train
     betas = (t.beta1, t.beta2)
     n_train = sum(p.numel() for g in groups for p in g["params"])
+    levers = make_levers(spec, hw)
     if spec.engine == "deepspeed":
         pin, why = pin_memory_ok(hw, 16 * n_train) if spec.profile.offloads else (False, "")
         if spec.profile.offloads:
@@ -39,17 +41,53 @@ def build(cfg, spec, model, hw: Hardware, hidden_size: int, lr: float):
             ds_config = resolve_ds_config(spec.profile, micro_batch=spec.micro_batch, accumulation=spec.accumulation,
                                           world=spec.world, grad_clip=t.grad_clip, lr=lr, betas=betas, eps=t.eps,
                                           weight_decay=t.weight_decay, hidden_size=hidden_size, pin_memory=pin,
-                                          loss_scale=vars(cfg.loss_scale), trainable=n_train)
+                                          loss_scale=vars(cfg.loss_scale), trainable=n_train,
+                                          nvme_path=nvme_folder(cfg, spec),
+                                          largest_param=max((p.numel() for p in model.parameters()), default=0))
         # No optimizer section: torch's fused AdamW as DeepSpeed's client optimizer (no op to compile)
         client = None if "optimizer" in ds_config else make_optimizer(groups, lr=lr, betas=betas, eps=t.eps,
                                                                       device=spec.device)
         return DeepSpeedEngine(model, ds_config=ds_config, param_groups=groups, device=spec.device,
-                               optimizer=client), ds_config
+                               optimizer=client, levers=levers), ds_config
     if spec.engine == "fsdp":
         pin, why = pin_memory_ok(hw, 8 * n_train)  # the fp32 weight and gradient shards FSDP keeps on the CPU
         logger.info(f"pin_memory {'on' if pin else 'off'}: {why}")
         return FsdpEngine(model, precision=spec.precision, device=spec.device, lr=lr, betas=betas, eps=t.eps,
                           weight_decay=t.weight_decay, grad_clip=t.grad_clip, loss_scale=cfg.loss_scale,
-                          pin_memory=pin), None
+                          pin_memory=pin, levers=levers), None
     return AmpEngine(model, precision=spec.precision, device=spec.device, param_groups=groups, lr=lr, betas=betas,
-                     eps=t.eps, grad_clip=t.grad_clip, loss_scale=cfg.loss_scale, optimizer=t.optimizer), None
+                     eps=t.eps, grad_clip=t.grad_clip, loss_scale=cfg.loss_scale, optimizer=t.optimizer,
+                     levers=levers), None
+
+
+def nvme_folder(cfg, spec) -> str:
+    """ZeRO-Infinity's swap folder: a run's own folder under ``memory.nvme_path`` (DeepSpeed writes one file per
+    swapped tensor in it and never deletes them; a folder of the run's keeps runs apart and is easy to remove)."""
+    if not spec.profile.nvme:
+        return ""
+    import os
+
+    path = os.path.join(os.path.abspath(os.path.expanduser(cfg.memory.nvme_path)), f"vramfit-swap-{os.getpid()}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def offload_pinning(spec, hw: Hardware) -> tuple[bool, str]:
+    """Whether activation offload pins its CPU copies: only on CUDA, and when ``ulimit -l`` and free RAM allow
+    the planned bytes (as for DeepSpeed's and FSDP's pinned buffers)."""
+    row = spec.plan.get(spec.profile.name) if spec.plan is not None else None
+    planned = int(row.parts.get("cpu", {}).get("offloaded_activations", 0)) if row is not None else 0
+    return pin_memory_ok(hw, planned) if spec.device.type == "cuda" else (False, "no CUDA device")
+
+
+def make_levers(spec, hw: Hardware) -> Levers:
+    """The loss and activation levers of ``spec`` as the engines run them (launcher.engines.base.Levers)."""
+    liger = (spec.chunked_loss and spec.device.type == "cuda" and spec.precision != "fp16" and liger_available())
+    pin = False
+    if spec.offload_activations:
+        pin, why = offload_pinning(spec, hw)
+        logger.info(f"activation offload: {'pinned' if pin else 'pageable'} CPU copies ({why})")
+    if spec.chunked_loss:
+        logger.info("loss: " + ("Liger's fused linear cross-entropy" if liger else "chunked head + cross-entropy (torch)"))
+    return Levers(chunked_loss=spec.chunked_loss, liger=liger, offload_activations=spec.offload_activations,
+                  pin_memory=pin, checkpointing=spec.checkpointing)

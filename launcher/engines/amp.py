@@ -12,7 +12,16 @@ import os
 
 import torch
 
-from launcher.engines.base import StepResult, autocast_dtype, batch_to, make_optimizer, make_scaler, skip_nonfinite
+from launcher.engines.base import (
+    Levers,
+    StepResult,
+    autocast_dtype,
+    batch_to,
+    forward_loss,
+    make_optimizer,
+    make_scaler,
+    skip_nonfinite,
+)
 from launcher.models import save_final
 
 
@@ -21,10 +30,12 @@ class AmpEngine:
     resets_in_place = True  # reset_micro_batch drops a half-accumulated step exactly
 
     def __init__(self, model: torch.nn.Module, *, precision: str, device: torch.device, param_groups: list[dict],
-                 lr: float, betas, eps: float, grad_clip: float, loss_scale, optimizer: str = "adamw"):
+                 lr: float, betas, eps: float, grad_clip: float, loss_scale, optimizer: str = "adamw",
+                 levers: Levers | None = None):
         self.device = device
         self.precision = precision
         self.dtype = autocast_dtype(precision)
+        self.levers = levers
         self.model = model.to(device)
         self.model.train()
         self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -41,15 +52,15 @@ class AmpEngine:
         self.grad_clip = grad_clip
         self.nonfinite: list[str] = []  # parameters whose gradients held inf/nan at the last overflow
 
-    def _forward(self, batch: dict, model=None):
+    def _loss(self, batch: dict, model=None) -> torch.Tensor:
         with torch.autocast(self.device.type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None):
-            return (model or self.wrapped)(**batch_to(batch, self.device))
+            return forward_loss(model or self.wrapped, batch_to(batch, self.device), self.levers, self.dtype)
 
     def forward_backward(self, batch: dict, accumulation: int) -> torch.Tensor:
         self._micro += 1
         sync = self.world == 1 or self._micro >= accumulation
         with contextlib.nullcontext() if sync else self.wrapped.no_sync():
-            loss = self._forward(batch).loss
+            loss = self._loss(batch)
             self.scaler.scale(loss / accumulation).backward()
         return loss.detach().float()
 
@@ -117,7 +128,7 @@ class AmpEngine:
     def eval_loss(self, batch: dict) -> float:
         self.model.eval()
         try:
-            return float(self._forward(batch, self.model).loss)
+            return float(self._loss(batch, self.model))
         finally:
             self.model.train()
 

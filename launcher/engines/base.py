@@ -8,11 +8,14 @@ mixed precision and loss scaling.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from launcher.actoffload import offload_saved_tensors
+from launcher.loss import causal_lm_loss
 from launcher.precision import autocast_dtype  # noqa: F401 (engines take it from here)
 
 
@@ -95,8 +98,36 @@ class Engine(Protocol):
         is the number of optimizer updates done (Adam's bias correction)."""
 
 
+@dataclass(frozen=True)
+class Levers:
+    """How an engine computes a micro-batch's loss and keeps its activations (the RunSpec decides them)."""
+
+    chunked_loss: bool = False  # head + cross-entropy in chunks of rows (launcher.loss)
+    liger: bool = False  # ... by Liger's fused kernel (CUDA, bf16/fp32, vramfit[kernels] installed)
+    offload_activations: bool = False  # saved activations to CPU memory during the forward
+    pin_memory: bool = False  # page-locked CPU copies (only on CUDA, when ulimit -l and RAM allow)
+    checkpointing: bool = False  # with checkpointing transformers offloads the layer inputs itself
+
+
+def forward_loss(model, batch: dict, levers: Levers | None, autocast: torch.dtype | None = None) -> torch.Tensor:
+    """The micro-batch's loss through ``model`` (whatever the engine calls), by one function for every engine.
+
+    Activation offload without checkpointing: :func:`launcher.actoffload.offload_saved_tensors` around the
+    forward, so every activation autograd saves is copied to CPU memory as it is saved and back when backward
+    needs it (the unpack hook is kept with each saved tensor, so backward needs no context). With
+    checkpointing, the model's checkpointed layers do the same for their inputs (launcher.checkpointing),
+    which is all those layers keep. Both copy on the compute stream: each offloaded byte crosses PCIe twice
+    per micro-batch, priced by launcher.steptime."""
+    lv = levers or Levers()
+    offload = lv.offload_activations and not lv.checkpointing
+    ctx = offload_saved_tensors(lv.pin_memory) if offload else contextlib.nullcontext()
+    with ctx:
+        return causal_lm_loss(model, batch, chunked=lv.chunked_loss, autocast_dtype=autocast, liger=lv.liger)
+
+
 def batch_to(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    """Tensors to ``device``; other values (``num_items_in_batch``, ``use_cache``) go to the model as they are."""
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 def make_optimizer(params_or_groups, *, lr: float, betas, eps: float, device: torch.device, kind: str = "adamw"):
@@ -105,6 +136,11 @@ def make_optimizer(params_or_groups, *, lr: float, betas, eps: float, device: to
         import bitsandbytes as bnb
 
         return bnb.optim.AdamW8bit(params_or_groups, lr=lr, betas=betas, eps=eps), "bitsandbytes.optim.AdamW8bit"
+    if kind == "paged_adamw8bit":  # CUDA only: refused on a CPU before anything loads (launcher.availability)
+        import bitsandbytes as bnb
+
+        return (bnb.optim.PagedAdamW8bit(params_or_groups, lr=lr, betas=betas, eps=eps),
+                "bitsandbytes.optim.PagedAdamW8bit")
     try:
         opt = torch.optim.AdamW(params_or_groups, lr=lr, betas=betas, eps=eps, fused=True)
         return opt, "torch.optim.AdamW(fused=True)"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from launcher import dist
-from launcher.engines.base import StepResult, batch_to
+from launcher.engines.base import Levers, StepResult, batch_to, forward_loss
 from launcher.hardware import clear_stale_op_locks, op_state, use_env_ninja
 from launcher.log import logger
 from launcher.models import save_final
@@ -51,7 +51,7 @@ class DeepSpeedEngine:
     resets_in_place = False  # ZeRO keeps a half-accumulated step in its own buffers: the OOM ladder rebuilds
 
     def __init__(self, model: torch.nn.Module, *, ds_config: dict, param_groups: list[dict], device: torch.device,
-                 optimizer=None):
+                 optimizer=None, levers: Levers | None = None):
         """``optimizer``: (a torch optimizer over ``param_groups``, its name), DeepSpeed's client optimizer
         (the catalogue's profiles: torch's fused AdamW, no compiler needed); None: DeepSpeed builds the one
         the config's ``optimizer`` section names (its FusedAdam or DeepSpeedCPUAdam ops)."""
@@ -70,6 +70,7 @@ class DeepSpeedEngine:
             deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
         self.ds_config = ds_config
         self.device = device
+        self.levers = levers
         client, client_name = optimizer if optimizer is not None else (None, None)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=None if client is not None else param_groups, optimizer=client,
@@ -84,7 +85,7 @@ class DeepSpeedEngine:
             scaler.raise_error_at_min_scale = False
 
     def forward_backward(self, batch: dict, accumulation: int) -> torch.Tensor:
-        loss = self.engine(**batch_to(batch, self.engine.device)).loss  # the logits are not kept through backward
+        loss = forward_loss(self.engine, batch_to(batch, self.engine.device), self.levers)  # logits not kept
         self.engine.backward(loss)
         self._micro += 1
         if self._micro < accumulation:
@@ -160,7 +161,7 @@ class DeepSpeedEngine:
     def eval_loss(self, batch: dict) -> float:
         self.engine.eval()
         try:
-            return float(self.engine(**batch_to(batch, self.engine.device)).loss)
+            return float(forward_loss(self.engine, batch_to(batch, self.engine.device), self.levers))
         finally:
             self.engine.train()
 

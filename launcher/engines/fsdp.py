@@ -37,7 +37,16 @@ import torch
 import torch.distributed as dist
 
 from launcher import dist as ranks
-from launcher.engines.base import StepResult, autocast_dtype, batch_to, make_optimizer, make_scaler, skip_nonfinite
+from launcher.engines.base import (
+    Levers,
+    StepResult,
+    autocast_dtype,
+    batch_to,
+    forward_loss,
+    make_optimizer,
+    make_scaler,
+    skip_nonfinite,
+)
 from launcher.memory.shape import base_model, decoder_layers
 from launcher.models import param_groups, save_final
 
@@ -83,12 +92,13 @@ class FsdpEngine:
 
     def __init__(self, model: torch.nn.Module, *, precision: str, device: torch.device, lr: float, betas,
                  eps: float, weight_decay: float, grad_clip: float, loss_scale, offload: bool = True,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, levers: Levers | None = None):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         self.device = device
         self.precision = precision
         self.grad_clip = grad_clip
+        self.levers = levers
         self.mesh, self.group = _mesh(device)
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
@@ -116,7 +126,7 @@ class FsdpEngine:
 
     # ---- training
     def forward_backward(self, batch: dict, accumulation: int) -> torch.Tensor:
-        loss = self.model(**batch_to(batch, self.device)).loss
+        loss = forward_loss(self.model, batch_to(batch, self.device), self.levers)
         # Each backward reduce-scatters this micro-batch's gradients and adds them to the (CPU) shards.
         self.scaler.scale(loss / accumulation).backward()
         return loss.detach().float()
@@ -168,7 +178,7 @@ class FsdpEngine:
     def eval_loss(self, batch: dict) -> float:
         self.model.eval()
         try:
-            return float(self.model(**batch_to(batch, self.device)).loss)
+            return float(forward_loss(self.model, batch_to(batch, self.device), self.levers))
         finally:
             self.model.train()
 

@@ -20,7 +20,15 @@ from dataclasses import dataclass
 
 from launcher.memory.shape import ParamCounts
 from launcher.precision import BYTES
-from launcher.profiles import Profile, bucket_sizes, in_catalogue
+from launcher.profiles import (
+    NVME_OPT_BUFFERS,
+    NVME_PARAM_BUFFER_SIZE,
+    NVME_PARAM_BUFFERS,
+    NVME_SUB_GROUP,
+    Profile,
+    bucket_sizes,
+    in_catalogue,
+)
 from launcher.units import GiB, MiB
 
 CUDA_CONTEXT_BYTES = 512 * MiB
@@ -28,7 +36,9 @@ ALLOCATOR_SLACK = 0.10
 CPU_RUNTIME_BYTES = {"cuda": 2 * GiB, "cpu": GiB // 2}
 # NF4 with double quantization (8-bit absmax per 64 weights, fp32 per 256 blocks); int8 + fp32 row scale
 QUANT_BYTES_PER_PARAM = {"4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0 + 4 / 4096}
-OPTIMIZER_BYTES_PER_PARAM = {"adamw": 8, "adamw8bit": 2}  # m and v
+# m and v; paged 8-bit AdamW keeps the same bytes, in CUDA unified memory: planned on the GPU (where they live
+# while there is room), so paging is a safety net for spikes, not a saving the plan counts on
+OPTIMIZER_BYTES_PER_PARAM = {"adamw": 8, "adamw8bit": 2, "paged_adamw8bit": 2}
 AMP_OPTIMIZER_WORKSPACE = 0  # torch AdamW(fused=True) updates in place; foreach would add 4 B/param
 ZERO3_SUB_GROUP = 1_000_000_000  # DeepSpeed sub_group_size default: fp32 gradient buffer size cap
 
@@ -54,6 +64,13 @@ class RunShape:
     optimizer: str
     trust_remote_code: bool
     checkpoint_every: int = 1  # with checkpointing: every k-th decoder layer recomputes
+    chunked_loss: bool = False  # this setting's loss is chunked (launcher.loss)
+    chunked_mode: str = "off"  # loss.chunked: auto | on | off
+    head_problem: str | None = None  # why this model's loss cannot be chunked (None: it can)
+    offload_activations: bool = False  # this setting offloads saved activations (launcher.actoffload)
+    offload_mode: str = "off"  # memory.offload_activations: auto | on | off
+    nvme: dict | None = None  # memory.nvme_path measured (launcher.hardware.probe_disk): free bytes, speeds
+    packed: bool = False  # instruction samples packed padding-free: a block-diagonal attention mask per layer
 
     @property
     def hidden(self) -> int:
@@ -84,6 +101,7 @@ def model_states(p: Profile, run: RunShape, accumulation: int) -> dict:
     fb: dict = {}
     step: dict = {}
     cpu: dict = {}
+    disk: dict = {}  # ZeRO-Infinity's swap files under memory.nvme_path
 
     def frozen_bytes(dtype_bytes: int) -> float:
         if run.quantize in QUANT_BYTES_PER_PARAM:
@@ -141,10 +159,20 @@ def model_states(p: Profile, run: RunShape, accumulation: int) -> dict:
             add_part(d, "weights", live)
         add_part(fb, "gradients", min(c.largest_module, trainable) * cd)
         add_part(fb, "buffers", rb * cd)
-        add_part(cpu, "weights", (base + c.adapters) * cd)
-        add_part(cpu, "gradients", cd * trainable + 4 * min(trainable, ZERO3_SUB_GROUP))
-        add_part(cpu, "master_weights", 4 * trainable)
-        add_part(cpu, "optimizer_states", 8 * trainable)
+        sub_group = NVME_SUB_GROUP if p.nvme_optimizer else ZERO3_SUB_GROUP
+        if p.nvme_param:  # ZeRO-Infinity: 16-bit parameters on the disk, read through pinned swap buffers
+            add_part(disk, "weights", (base + c.adapters) * cd)
+            add_part(cpu, "buffers", NVME_PARAM_BUFFERS * max(NVME_PARAM_BUFFER_SIZE, c.largest_param) * cd)
+        else:
+            add_part(cpu, "weights", (base + c.adapters) * cd)
+        add_part(cpu, "gradients", cd * trainable + 4 * min(trainable, sub_group))
+        if p.nvme_optimizer:  # fp32 master, Adam m and v swapped per sub-group through pinned fp32 buffers
+            add_part(disk, "master_weights", 4 * trainable)
+            add_part(disk, "optimizer_states", 8 * trainable)
+            add_part(cpu, "buffers", NVME_OPT_BUFFERS * min(trainable, sub_group) * 4)
+        else:
+            add_part(cpu, "master_weights", 4 * trainable)
+            add_part(cpu, "optimizer_states", 8 * trainable)
     elif p.engine == "fsdp":
         # FSDP2 + CPUOffloadPolicy (launcher/engines/fsdp.py): fp32 sharded params, fp32 grads and AdamW on
         # the CPU. Units: input embeddings, each layer, the head (tied embeddings stay in the root with the
@@ -168,6 +196,6 @@ def model_states(p: Profile, run: RunShape, accumulation: int) -> dict:
         add_part(cpu, "optimizer_states", 8 * trainable)
     else:
         raise ValueError(f"no memory model for profile {p.name}")
-    return {"gpu_fb": fb, "gpu_step": step, "cpu": cpu, "cpu_load": int(load)}
+    return {"gpu_fb": fb, "gpu_step": step, "cpu": cpu, "cpu_load": int(load), "disk": disk}
 
 

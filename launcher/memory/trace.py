@@ -36,8 +36,9 @@ embeddings), each linear in depth, and the largest extrapolated one wins.
 
 Gradient checkpointing is traced directly: the meta trace only failed in transformers' packed-sequence
 detection (``Tensor.item()`` on the position ids, reached because checkpointing turns the KV cache off),
-which :func:`_no_packed_sequence_probe` stubs out for the trace; training batches here carry plain
-``arange`` positions, for which that probe answers "not packed" anyway.
+which :func:`_no_packed_sequence_probe` stubs out for meta tensors (plain ``arange`` positions are never packed).
+Packed batches (``packed``: padding-free instruction samples) are traced with the boolean ``[b, 1, s, s]`` mask
+that probe would have made on real tensors, and the fused kernels' per-layer bias made from it.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from launcher import checkpointing
+from launcher import loss as lossmod
+from launcher.actoffload import stays
+from launcher.loss import causal_lm_loss
 from launcher.memory.shape import (
     ALL_LINEAR,
     base_model,
@@ -121,14 +125,14 @@ class _FusedAttention(torch.autograd.Function):
     log-sum-exp per query row. Values are not computed (this is for meta tensors and measurement)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, lse_len: int, accum_dq: bool, causal: bool = False):
+    def forward(ctx, q, k, v, lse_len: int, accum_dq: bool, causal: bool = False, bias=None):
         if q.dim() == 4:  # the kernels write (batch, seq, heads, dim) and return it transposed
             b, h, s, _ = q.shape
             out = q.new_empty((b, s, h, v.shape[-1])).transpose(1, 2)
         else:
             out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
         lse = q.new_empty(q.shape[:-2] + (lse_len,), dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, *([bias] if bias is not None else []))
         ctx.accum_dq = accum_dq
         ctx.causal = causal
         _record_attention(q, k, v, ctx.causal, backward=False)
@@ -136,7 +140,7 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors[:5]
         _record_attention(q, k, v, ctx.causal, backward=True)
         delta = torch.empty_like(lse)  # rowsum(dO * O), fp32, both kernels
         dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device) if ctx.accum_dq else None
@@ -149,7 +153,15 @@ def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
                      enable_gqa=False, *, target: str, kernel: str):
     s = query.shape[-2]
     lse_len = -(-s // 32) * 32 if kernel == "efficient" else s
-    out = _FusedAttention.apply(query, key, value, lse_len, kernel == "flash" and target == "cuda", bool(is_causal))
+    bias = None
+    if attn_mask is not None and not attn_mask.requires_grad:
+        # A boolean mask (packed samples) is turned into an additive bias in the query's dtype on every call and
+        # kept for backward, one per layer; CUDA's memory-efficient kernel pads its last dimension to 16.
+        last = attn_mask.shape[-1] if kernel != "efficient" else -(-attn_mask.shape[-1] // 16) * 16
+        bias = (attn_mask.new_empty(attn_mask.shape[:-1] + (last,), dtype=query.dtype)
+                if attn_mask.dtype == torch.bool else attn_mask)
+    out = _FusedAttention.apply(query, key, value, lse_len, kernel == "flash" and target == "cuda", bool(is_causal),
+                                bias)
     if attn_mask is not None and attn_mask.requires_grad:  # a learned bias keeps its own gradient path
         out = out + 0 * attn_mask.sum()
     return out
@@ -273,6 +285,9 @@ def _record_attention(q, k, v, causal: bool, backward: bool) -> None:
     _ATTENTION_OPS[-1].append(("attention", str(q.dtype).replace("torch.", ""), int(flops), int(nbytes)))
 
 
+OFFLOADED = "offloaded"  # the tracker's category for CPU copies of saved activations
+
+
 class _Tracker(TorchDispatchMode):
     """Live bytes of every storage created while active, by the category current at its creation."""
 
@@ -287,6 +302,7 @@ class _Tracker(TorchDispatchMode):
         # per segment (forward, head_bwd, body_bwd): [peak, parts at it, peak with grads, parts at it]
         self.segments: dict[str, list] = {}
         self.op_list: list = []  # OpKey of every op dispatched, in order (the time model's input)
+        self.offloaded_peak = 0  # most bytes held at once in CPU copies of saved activations (activation offload)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -332,15 +348,17 @@ class _Tracker(TorchDispatchMode):
             self.by_cat[entry[1]] -= entry[0]
 
     def _update(self):
-        total = sum(self.by_cat.values())
+        off = self.by_cat.get(OFFLOADED, 0)  # CPU copies of saved activations: not on the device
+        self.offloaded_peak = max(self.offloaded_peak, off)
+        total = sum(self.by_cat.values()) - off
         act = total - self.by_cat.get("param_grad", 0)
         seg = self.segments.setdefault(self.segment, [0, {}, 0, {}])
         if act > seg[0]:
             seg[0] = act
-            seg[1] = {k: v for k, v in self.by_cat.items() if v and k != "param_grad"}
+            seg[1] = {k: v for k, v in self.by_cat.items() if v and k not in ("param_grad", OFFLOADED)}
         if total > seg[2]:
             seg[2] = total
-            seg[3] = {k: v for k, v in self.by_cat.items() if v}
+            seg[3] = {k: v for k, v in self.by_cat.items() if v and k != OFFLOADED}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -361,6 +379,8 @@ class StepTrace:
     seconds: float = 0.0
     ops: dict = field(default_factory=dict)  # OpKey -> count: every op of the forward + backward (recompute too)
     op_list: list = field(default_factory=list, repr=False)  # the same ops in dispatch order
+    offloaded: int = 0  # activation offload: most bytes held in CPU memory at once
+    offload_copied: int = 0  # activation offload: bytes copied to the CPU in the forward (as many come back)
 
     @property
     def peak(self) -> int:
@@ -404,7 +424,8 @@ def _no_packed_sequence_probe():
     if original is None:
         yield
         return
-    mu.find_packed_sequence_indices = lambda *a, **k: None
+    mu.find_packed_sequence_indices = lambda position_ids, *a, **k: (
+        None if position_ids.is_meta else original(position_ids, *a, **k))
     try:
         yield
     finally:
@@ -438,18 +459,29 @@ def _checkpoint_with_mode(checkpoint, fmode: _FunctionMode, state: dict, enter, 
 
     if state["phase"] == "forward":
         enter()  # transformers < 5.23 checkpoints the layer's __call__, so its forward pre-hook runs inside
-    return checkpoint(run, *args, **kwargs)
+    offload = state.get("offload_hooks")
+    with offload() if offload is not None else contextlib.nullcontext():  # transformers' offload=True does this
+        return checkpoint(run, *args, **kwargs)
 
 
 def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: torch.dtype | None = None,
                  autocast_policy: str = "cuda", attention_kernel: str = "math", target: str = "cuda",
-                 real_autocast: bool = False) -> StepTrace:
+                 real_autocast: bool = False, chunked_loss: bool = False,
+                 offload_activations: bool = False, packed: bool = False) -> StepTrace:
     """Trace ``loss = model(input_ids, labels=input_ids).loss; loss.backward()`` and measure it.
 
     Works on meta and on real tensors (the tests compare the two). Only the loss outlives the forward,
     as in the training loop. ``attention_kernel``: ``math`` (what runs), ``flash`` or ``efficient``
     (emulate that fused kernel for ``scaled_dot_product_attention``). ``real_autocast``: run the forward
     under ``torch.autocast(autocast_policy)`` instead of the emulation (real tensors only; for the tests).
+    ``chunked_loss``: the loss as :func:`launcher.loss.causal_lm_loss` chunks it (the same code the engines
+    run). ``offload_activations``: every saved tensor copied to CPU memory as torch's ``save_on_cpu`` does
+    (with checkpointing: around each checkpointed layer, as transformers' ``offload=True`` does), emulated
+    on meta: the copy is a tensor of the tracker's ``offloaded`` category (off the device), and backward
+    gets a new device tensor back for each unpack.
+    ``packed``: a batch of packed samples (padding-free), whose attention mask is block-diagonal: real tensors get
+    position ids restarting mid-row (transformers builds the mask from them), meta tensors the ``[b, 1, s, s]``
+    boolean mask that this makes, created inside the measured region as the real one is.
     """
     emulate = None if real_autocast else autocast_dtype
     t0 = time.perf_counter()
@@ -483,6 +515,35 @@ def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: t
             saved_keys.add(key)
             saved[state["region"] if state["phase"] == "forward" else "backward"] += st.nbytes()
         return t
+
+    copied = [0]
+
+    def pack_offload(t):
+        pack(t)
+        if stays(t):  # parameters and autocast's weight copies stay (launcher.actoffload)
+            return t
+        cat, tracker.category = tracker.category, OFFLOADED
+        try:
+            cpu = torch.empty_like(t)
+            if not t.is_meta:  # a real run (the tests compare): the values go there and back too
+                cpu.copy_(t)
+        finally:
+            tracker.category = cat
+        copied[0] += t.numel() * t.element_size()
+        return cpu
+
+    def unpack_offload(cpu):
+        if tracker.live.get(cpu.untyped_storage()._cdata, [0, None])[1] != OFFLOADED:
+            return cpu  # stayed
+        back = torch.empty_like(cpu)  # the copy back: a new device tensor, of the category current now
+        return back if cpu.is_meta else back.copy_(cpu)
+
+    def offload_hooks():
+        return torch.autograd.graph.saved_tensors_hooks(pack_offload, unpack_offload)
+
+    checkpointed = any(getattr(layer, "gradient_checkpointing", False) for layer in layers)
+    if offload_activations and checkpointed:
+        state["offload_hooks"] = offload_hooks
 
     hooks = []
     restore: list[nn.Module] = []
@@ -539,14 +600,32 @@ def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: t
             hooks.append(p.register_post_accumulate_grad_hook(on_grad))
 
     _ATTENTION_OPS.append(tracker.op_list)
+    def grad_buffer(w):
+        cat, tracker.category = tracker.category, "param_grad"
+        try:
+            return torch.zeros_like(w)
+        finally:
+            tracker.category = cat
+
+    lossmod.GRAD_BUFFER = grad_buffer
     try:
-        with _no_packed_sequence_probe(), tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        whole = offload_activations and not checkpointed  # save_on_cpu around the forward (engines.base)
+        hooks_ctx = offload_hooks() if whole else torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        with _no_packed_sequence_probe(), tracker, hooks_ctx:
             autocast = (torch.autocast(autocast_policy, dtype=autocast_dtype) if real_autocast and autocast_dtype
                         else contextlib.nullcontext())
+            extra = {}
+            if packed:
+                b, s = input_ids.shape  # two samples per row: positions per row, so rotary tables per row too
+                dev = input_ids.device
+                extra["position_ids"] = torch.cat([torch.arange(s // 2, device=dev),
+                                                   torch.arange(s - s // 2, device=dev)]).expand(b, s)
+                if input_ids.is_meta:  # the packed-sequence probe cannot run on meta: the mask it would make
+                    extra["attention_mask"] = torch.ones(b, 1, s, s, dtype=torch.bool, device="meta")
             with fmode, autocast:
-                out = model(input_ids=input_ids, labels=input_ids, use_cache=False)
-            loss = out.loss
-            del out
+                loss = causal_lm_loss(model, {"input_ids": input_ids, "labels": input_ids, "use_cache": False, **extra},
+                                      chunked=chunked_loss, autocast_dtype=autocast_dtype)
+            extra.clear()
             # The mode is left before backward (a mode is switched off while it handles a call, so a
             # backward it intercepted would recompute checkpointed layers without it); the layer hooks
             # re-enter it for each recomputed layer.
@@ -557,6 +636,7 @@ def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: t
             loss.backward()
             del loss
     finally:
+        lossmod.GRAD_BUFFER = torch.zeros_like
         _ATTENTION_OPS.pop()
         for h in hooks:
             h.remove()
@@ -569,7 +649,8 @@ def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: t
                 for k, v in tracker.segments.items()}
     return StepTrace(saved=dict(saved), autocast_cache=autocast_cache, segments=segments,
                      param_grads=sum(grads.values()), seconds=time.perf_counter() - t0,
-                     ops=dict(Counter(tracker.op_list)), op_list=tracker.op_list)
+                     ops=dict(Counter(tracker.op_list)), op_list=tracker.op_list, offloaded=tracker.offloaded_peak,
+                     offload_copied=copied[0])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -593,6 +674,9 @@ class TraceSettings:
     lora_r: int = 0
     lora_targets: tuple = (ALL_LINEAR,)
     lora_dropout: float = 0.0
+    chunked_loss: bool = False  # head + cross-entropy in chunks (launcher.loss)
+    offload_activations: bool = False  # saved activations to CPU memory (save_on_cpu / transformers' offload)
+    packed: bool = False  # packed samples: a block-diagonal attention mask (launcher.data.pack)
 
 
 @dataclass
@@ -613,6 +697,8 @@ class ActivationEstimate:
     param_grads: int
     trace_seconds: float
     ops: dict = field(default_factory=dict)  # OpKey -> count at full depth (counts extrapolated, may be fractional)
+    offloaded: int = 0  # activation offload: CPU bytes held at once (pinned copies of saved tensors)
+    offload_copied: int = 0  # activation offload: bytes copied to the CPU per micro-batch (and back again)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -667,7 +753,8 @@ def trace_depth(config, depth: int, s: TraceSettings, trust_remote_code: bool = 
     ids = torch.zeros(s.batch_size, s.seq_len, dtype=torch.long, device="meta")
     return measure_step(model, ids, autocast_dtype=s.autocast_dtype, autocast_policy=s.target,
                         attention_kernel=s.attention_kernel if s.attn_implementation == "sdpa" else "math",
-                        target=s.target)
+                        target=s.target, chunked_loss=s.chunked_loss, offload_activations=s.offload_activations,
+                        packed=s.packed)
 
 
 _TRACES: dict = {}
@@ -724,7 +811,8 @@ def _batch_extrapolate(one: StepTrace, two: StepTrace, b: int, base: int = 2) ->
                 for name, v in one.segments.items()}
     return StepTrace(saved=lin_dict(one.saved, two.saved), autocast_cache=lin(one.autocast_cache, two.autocast_cache),
                      segments=segments, param_grads=lin(one.param_grads, two.param_grads),
-                     seconds=one.seconds + two.seconds, ops=dict(Counter(ops)), op_list=ops)
+                     seconds=one.seconds + two.seconds, ops=dict(Counter(ops)), op_list=ops,
+                     offloaded=lin(one.offloaded, two.offloaded), offload_copied=lin(one.offload_copied, two.offload_copied))
 
 
 _ESTIMATES: dict = {}
@@ -774,6 +862,7 @@ def estimate_activations(config, settings: TraceSettings, trust_remote_code: boo
         peak_with_grads=segs[top_g][2], peak_with_grads_parts=segs[top_g][3], peak_with_grads_segment=top_g,
         param_grads=ext(one.param_grads, two.param_grads), trace_seconds=one.seconds + two.seconds,
         ops={k: c for k in set(one.ops) | set(two.ops) if (c := one.ops.get(k, 0) + reps * (two.ops.get(k, 0)
-                                                                                            - one.ops.get(k, 0)))})
+                                                                                            - one.ops.get(k, 0)))},
+        offloaded=ext(one.offloaded, two.offloaded), offload_copied=ext(one.offload_copied, two.offload_copied))
     _ESTIMATES[key] = est
     return est
