@@ -9,9 +9,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # A smaller tiny model and short runs keep the suite inside its time budget on 2 CPU cores.
+# In-process runs use the thread count the test process started with: train.threads=auto would take fewer
+# when other processes keep cores busy, and runs whose curves are compared exactly must not differ in that.
+THREADS = torch.get_num_threads()
 FAST = ["train.max_steps=24", "train.warmup_steps=4", "train.micro_batch_size=2", "train.global_batch_size=8",
         "data.seq_len=32", "data.num_samples=256", "log.every_steps=1000", "sample_tokens=0"]
 
@@ -30,7 +34,8 @@ def run_inprocess(tmp_path, *overrides, hooks=None, fast=True):
     from launcher.config import load_config
     from launcher.train import train
 
-    cfg = load_config(None, [*(FAST if fast else []), f"output_dir={tmp_path}", "device=cpu", *overrides])
+    cfg = load_config(None, [*(FAST if fast else []), f"train.threads={THREADS}", f"output_dir={tmp_path}", "device=cpu",
+                             *overrides])
     summary = train(cfg, hooks=hooks)
     rows = [json.loads(ln) for ln in open(os.path.join(summary["run_dir"], "metrics.jsonl"))]
     return summary, rows
