@@ -25,12 +25,12 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def llama(vocab=1000, hidden=64, layers=2, tie=False, **kw):
+def llama(vocab=1000, hidden=64, layers=2, tie=False, positions=4096, **kw):
     from transformers import LlamaConfig
 
     return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie,
-                       max_position_embeddings=4096, **kw)
+                       max_position_embeddings=positions, **kw)
 
 
 def real(cfg, dtype=torch.float32, seed=0):
@@ -271,7 +271,7 @@ def test_offloaded_bytes_traced_on_meta_equal_a_real_run(ckpt):
 
 def test_planner_moves_offloaded_activations_to_the_cpu_and_picks_offload_last(tmp_path):
     d = tmp_path / "long"
-    llama(vocab=1000, hidden=512, layers=8).save_pretrained(d)
+    llama(vocab=1000, hidden=512, layers=8, positions=16384).save_pretrained(d)
     base = [f"model.name={d}", "data.seq_len=16384", "train.micro_batch_size=1", "train.global_batch_size=1",
             "lora.r=16", "loss.chunked=on"]
     off = planner.plan(load_config(None, [*base, "model.gradient_checkpointing=true",
