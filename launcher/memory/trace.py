@@ -146,7 +146,7 @@ class _FusedAttention(torch.autograd.Function):
         dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device) if ctx.accum_dq else None
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         del delta, dq_accum
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None  # one per forward input (bias included)
 
 
 def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
