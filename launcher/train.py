@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 import psutil
 import torch
 
-from launcher import calibrate, dist, engines, generate, hfconfig, log, lora, plots, progress
+from launcher import calibrate, diskspace, dist, engines, generate, hfconfig, log, lora, plots, progress
 from launcher import checkpoint as ckpt
 from launcher.config import Config, ConfigError, to_yaml
 from launcher.data import load_splits, settle_formats
@@ -79,6 +79,14 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.E
     tokenizer = load_tokenizer(cfg)
     train_data, eval_data = load_splits(cfg, hf_config.vocab_size, tokenizer, hf_config)
     sample_prompt = generate.prompt_ids(cfg, tokenizer, eval_data if eval_data is not None else train_data)
+    if cfg.checkpoint.save:  # room for the checkpoints and final/ on the output disk, before anything is written
+        disk = diskspace.room(cfg.output_dir, spec.predicted("checkpoint_bytes") or 0, spec.predicted("final_bytes") or 0,
+                              cfg.checkpoint.keep_last,
+                              run_dir=os.path.join(cfg.output_dir, cfg.run_name) if cfg.run_name else None)
+        problem = diskspace.refusal(disk, cfg.lora.r)
+        if problem:
+            raise ConfigError([problem], "disk plan")
+        logger.info(diskspace.describe(disk))
     rd, resume_from, run_name, damaged = prepare_run_dir(cfg, ranks, cleanup)
     settings = ckpt.fixed_settings(asked)
     if resume_from:
@@ -158,9 +166,20 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.E
                   "rng": ranks.gather(ckpt.rng_state())}
         path = ckpt.save(engine, rd.checkpoints, st.step, client, settings, is_main=ranks.is_main,
                          barrier=ranks.barrier, keep_last=cfg.checkpoint.keep_last, extra={"rung": asdict(spec.rung)},
-                         during_save=hooks.during_save)
+                         during_save=hooks.during_save, predicted_bytes=spec.predicted("checkpoint_bytes"))
         logger.info(f"checkpoint {path}")
         return path
+
+    def save_periodic() -> None:
+        """A checkpoint on the way that does not fit on the disk is skipped with a warning (its partial files are
+        already gone) and the run goes on; the last one must fit (DiskFull ends the run as failed, with the last
+        good checkpoint)."""
+        try:
+            save_checkpoint()
+        except DiskFull as e:
+            logger.warning(f"checkpoint at step {st.step} skipped: {e}; the run goes on, the last good checkpoint is "
+                           f"{ckpt.latest(rd.checkpoints) or 'none yet'}; fix: free space there or lower "
+                           "checkpoint.keep_last")
 
     # ---- the loop
     stop = StopRequested().install()
@@ -261,7 +280,7 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.E
                 break
             if (cfg.checkpoint.save and cfg.checkpoint.every_steps and st.step % cfg.checkpoint.every_steps == 0
                     and st.step < cfg.train.max_steps):
-                save_checkpoint()
+                save_periodic()
         last_ckpt = save_checkpoint() if cfg.checkpoint.save else None
     except OSError as e:  # a full disk ends the run as failed, with a summary and the last good checkpoint
         if not isinstance(e, DiskFull) and not is_disk_full(e, rd.path):

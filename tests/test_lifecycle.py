@@ -63,3 +63,40 @@ def test_lora_checkpoint_holds_only_adapters_and_resumes_exactly(tmp_path, monke
     assert again["status"] == "completed" and again["resumed_from"] == cut["checkpoint"]
     mx, _ = compare(losses(rows), losses(rows_full), f"{profile} LoRA resumed vs uninterrupted")
     assert mx == 0.0
+
+
+def test_disk_too_small_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    """The planned checkpoints (keep_last + 1) and final/ do not fit in what the disk has free: exit 2 with the
+    numbers and the fixes, and output_dir is not even made."""
+    import shutil
+
+    from launcher.cli import main
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=2 * 2**20))
+    out = tmp_path / "out"
+    rc = main(["train", "train.max_steps=2", "device=cpu", "engine=amp", "sample_tokens=0", f"output_dir={out}",
+               "run_name=r", "checkpoint.keep_last=3"])
+    err = capsys.readouterr().err
+    assert rc == 2, err[-3000:]
+    line = next(ln for ln in err.splitlines() if "rule:" in ln)
+    assert "output_dir:" in line and "2.0 MiB free" in line and "checkpoint.keep_last + 1 = 4 checkpoints" in line
+    assert "fix:" in line and "output_dir=DIR" in line and "lora.r=16" in line
+    assert not out.exists()
+
+
+def test_plan_predicts_checkpoint_and_final_bytes():
+    """The plan's bytes on disk per profile: a LoRA checkpoint is the adapters with Adam (12 B per trainable
+    parameter; DeepSpeed 16-bit adds its 2-byte module copy and the fp32 master), never the base."""
+    from launcher.memory.shape import count_params
+    from launcher.memory.states import CHECKPOINT_EXTRA_BYTES, FINAL_EXTRA_BYTES, files_on_disk
+    from launcher.presets import preset_config
+
+    counts = count_params(preset_config("llama-125m"), 16, ("all-linear",))
+    t = counts.adapters
+    amp = files_on_disk(PROFILES["amp-bf16"], counts, 16)
+    ds = files_on_disk(PROFILES["zero2-bf16"], counts, 16)
+    full = files_on_disk(PROFILES["zero2-bf16"], counts, 0)
+    assert amp["checkpoint"] == 12 * t + CHECKPOINT_EXTRA_BYTES and amp["final"] == 4 * t + FINAL_EXTRA_BYTES
+    assert ds["checkpoint"] == 14 * t + CHECKPOINT_EXTRA_BYTES and ds["final"] == 2 * t + FINAL_EXTRA_BYTES
+    assert full["checkpoint"] == 14 * counts.total + CHECKPOINT_EXTRA_BYTES

@@ -201,9 +201,7 @@ class FsdpEngine:
 
     def load(self, directory: str) -> dict:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._sd_options())  # shapes to fill
         state = {"model": model_sd, "optimizer": optim_sd}
