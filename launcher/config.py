@@ -19,7 +19,7 @@ from typing import Any, get_origin
 
 from omegaconf import OmegaConf
 
-from launcher import dist
+from launcher import dist, tracking
 from launcher.profiles import PROFILES
 
 AUTO = "auto"
@@ -197,6 +197,9 @@ class LogConfig:
     leak_steps: int = _f(20, "Warn when memory after each step only grows over this many steps, after as many "
                          "warm-up steps (0 = no leak check).", min=0)
     leak_mib: float = _f(64.0, "Growth over log.leak_steps steps, in MiB, that counts as a leak.", min=0.0)
+    report_to: list = _f(["tensorboard"], "Trackers that get the metrics, eval results and the plan: tensorboard "
+                         "(event files in <run>/tensorboard), wandb, mlflow (optional extras; offline unless their "
+                         "environment says otherwise), or none.")
 
 
 @dataclass
@@ -513,6 +516,7 @@ def check(cfg: Config, world: int | None = None) -> list[str]:
             problems.append(f"memory.nvme_path: got {nvme!r}, not writable by this user; rule: the swap files are "
                             f"written there; fix: a folder you can write (chmod u+w {nvme}), or memory.nvme_path=\"\"")
     problems += check_data(cfg.data)
+    problems += tracking.problems(cfg.log.report_to)
     if cfg.checkpoint.resume not in ("auto", "never") and not os.path.exists(cfg.checkpoint.resume):
         problems.append(f"checkpoint.resume: got {cfg.checkpoint.resume!r}; rule: auto, never, or an existing "
                         "checkpoint directory; fix: checkpoint.resume=auto")

@@ -17,9 +17,9 @@ from dataclasses import asdict, dataclass, field, replace
 import psutil
 import torch
 
-from launcher import calibrate, diskspace, dist, engines, generate, hfconfig, log, lora, plots, progress
+from launcher import calibrate, diskspace, dist, engines, generate, hfconfig, log, lora, plots, progress, report
 from launcher import checkpoint as ckpt
-from launcher.config import Config, ConfigError, to_yaml
+from launcher.config import Config, ConfigError, to_dict, to_yaml
 from launcher.data import load_splits, settle_formats
 from launcher.engines.base import StepResult
 from launcher.engines.deepspeed import restore_torch_functions
@@ -33,6 +33,7 @@ from launcher.profiles import PROFILES
 from launcher.resolve import RunSpec, resolve
 from launcher.rundir import LOCK, DiskFull, LockHeld, RunDir, RunLock, default_run_name, disk_full_message, is_disk_full, read_json
 from launcher.schedule import lr_at
+from launcher.tracking import Trackers
 
 
 @dataclass
@@ -118,6 +119,10 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.E
         if capped:
             logger.info(capped)
     mon = MemoryMonitor.for_run(cfg, rd, device)  # stopped in the loop's finally
+    trackers = Trackers(cfg.log.report_to, rd.path, run_name, to_dict(cfg), ranks.is_main)  # closed there too
+    cleanup.callback(trackers.close)  # and when the run ends before the loop (a checkpoint that does not load)
+    if spec.plan is not None:
+        trackers.text("plan", report.format_table(spec.plan))
     if not resume_from:
         mon.start()  # memory.csv from here (a resume appends to it once its checkpoint has loaded)
     # ---- model, engine
@@ -262,6 +267,7 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.E
                    "tokens_in_loss_per_s": batch.tokens_in_loss / dt, **mem, "time_s": time.perf_counter() - t_start,
                    "micro_batch": spec.micro_batch, **mon.end_step(st.step, mem)}
             rd.append_metrics(row)
+            trackers.log(row, st.step)
             bar.update(row)  # a bar on a terminal, else a log line every log.every_steps
             # fp16 that keeps overflowing at the minimum scale will never train: stop with a diagnosis
             at_min = result.skipped and result.loss_scale is not None and result.loss_scale <= cfg.loss_scale.min_scale
@@ -289,6 +295,7 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.E
         diagnosis = disk_advice(e, rd, last_ckpt)
     finally:
         stop.restore()
+        trackers.close()
         rd.close()
         bar.close()
         mon.stop()

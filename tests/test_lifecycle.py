@@ -100,3 +100,37 @@ def test_plan_predicts_checkpoint_and_final_bytes():
     assert amp["checkpoint"] == 12 * t + CHECKPOINT_EXTRA_BYTES and amp["final"] == 4 * t + FINAL_EXTRA_BYTES
     assert ds["checkpoint"] == 14 * t + CHECKPOINT_EXTRA_BYTES and ds["final"] == 2 * t + FINAL_EXTRA_BYTES
     assert full["checkpoint"] == 14 * counts.total + CHECKPOINT_EXTRA_BYTES
+
+
+def test_tensorboard_events_read_back_with_tensorboards_reader(tmp_path):
+    """The default tracker writes event files in the run directory: TensorBoard's EventAccumulator reads every
+    step's loss, lr, grad norm and tokens/s, the memory, and the plan as text; the values are metrics.jsonl's."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    s, rows = run_inprocess(tmp_path, "run_name=tb", "engine=amp", "train.max_steps=6", "train.warmup_steps=1")
+    acc = EventAccumulator(os.path.join(s["run_dir"], "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    for tag in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "memory/cpu_rss_bytes"):
+        assert tag in tags["scalars"], (tag, tags["scalars"])
+    loss = acc.Scalars("train/loss")
+    assert [e.step for e in loss] == [r["step"] for r in rows]
+    assert max(abs(e.value - r["loss"]) for e, r in zip(loss, rows)) < 1e-5
+    assert "plan/text_summary" in tags["tensors"]
+    plan = acc.Tensors("plan/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "chosen:" in plan
+
+
+def test_report_to_a_tracker_that_is_not_installed_is_refused(monkeypatch):
+    import importlib.util
+
+    from launcher.config import ConfigError, load_config
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "wandb" else real(n, *a))
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["log.report_to=[tensorboard,wandb]"])
+    assert "log.report_to: got 'wandb', which is not installed" in str(e.value)
+    assert "pip install 'vramfit[wandb]'" in str(e.value)
+    with pytest.raises(ConfigError, match="rule: tensorboard, wandb, mlflow or none"):
+        load_config(None, ["log.report_to=[tensorbored]"])
