@@ -193,7 +193,7 @@ def cmd_train(args) -> int:
     path, overrides = _split_config(args.config)
     cfg = load_config(path, overrides)
     summary = train(cfg)
-    return {"completed": 0, "interrupted": EXIT_INTERRUPTED}.get(summary["status"], EXIT_FAILED)
+    return {"completed": 0, "stopped_early": 0, "interrupted": EXIT_INTERRUPTED}.get(summary["status"], EXIT_FAILED)
 
 
 def cmd_bench(args) -> int:

@@ -134,3 +134,111 @@ def test_report_to_a_tracker_that_is_not_installed_is_refused(monkeypatch):
     assert "pip install 'vramfit[wandb]'" in str(e.value)
     with pytest.raises(ConfigError, match="rule: tensorboard, wandb, mlflow or none"):
         load_config(None, ["log.report_to=[tensorbored]"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Evaluation that decides
+
+
+def test_eval_covers_the_split_once_and_reports_perplexity(tmp_path):
+    """The eval split is evaluated in full (every sample once, weighted by samples), or at most eval.max_batches
+    micro-batches; the summary and TensorBoard carry the loss and its perplexity."""
+    import math
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import launcher.train as train_mod
+
+    seen = []
+    real = train_mod.evaluate
+
+    def counting(engine, data, micro_batch, ranks, max_batches=0):
+        calls = []
+        orig = engine.eval_loss
+        engine.eval_loss = lambda b: calls.append(b["input_ids"].shape[0]) or orig(b)
+        try:
+            return real(engine, data, micro_batch, ranks, max_batches)
+        finally:
+            engine.eval_loss = orig
+            seen.append((len(data), calls))
+
+    train_mod.evaluate, saved = counting, real
+    try:
+        s, _ = run_inprocess(tmp_path, "run_name=ev", "engine=amp", "train.max_steps=4", "train.warmup_steps=1",
+                             "data.eval_fraction=0.1", "train.eval_every=2", "eval.max_batches=0")
+    finally:
+        train_mod.evaluate = saved
+    n, calls = seen[0]
+    assert sum(calls) == n and len(calls) == -(-n // 2)  # micro-batch 2: every sample once, the last batch smaller
+    assert s["eval_perplexity"] == pytest.approx(math.exp(s["eval_loss"]))
+    acc = EventAccumulator(os.path.join(s["run_dir"], "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("eval/loss")] == [2, 4, 4]
+    assert "eval/perplexity" in acc.Tags()["scalars"]
+
+
+def test_keep_best_and_early_stopping_write_final_from_the_best(tmp_path, monkeypatch):
+    """Scripted eval losses (3, 2, 2.5, 2.6 at steps 2, 4, 6, 8) with patience 2: the run stops early at step 8,
+    status stopped_early; the checkpoint of step 4 (the best) is kept beside the last one, and final/ holds its
+    weights."""
+    import torch
+    from safetensors.torch import load_file
+
+    import launcher.train as train_mod
+
+    script = iter([3.0, 2.0, 2.5, 2.6])
+    monkeypatch.setattr(train_mod, "evaluate", lambda *a, **k: next(script))
+    s, rows = run_inprocess(tmp_path, "run_name=best", "engine=amp", "train.max_steps=20", "train.warmup_steps=1",
+                            "data.eval_fraction=0.1", "train.eval_every=2", "train.early_stopping_patience=2",
+                            "checkpoint.keep_best=true", "checkpoint.keep_last=1")
+    assert s["status"] == "stopped_early" and s["steps"] == 8 and len(rows) == 8
+    assert s["best_eval_loss"] == 2.0 and s["best_checkpoint"].endswith("step-000004") and s["eval_loss"] == 2.0
+    ck = os.path.join(s["run_dir"], "checkpoints")
+    assert sorted(os.listdir(ck)) == ["step-000004", "step-000008"]
+    best = torch.load(os.path.join(ck, "step-000004", "engine.pt"), weights_only=False)["model"]
+    final = load_file(os.path.join(s["run_dir"], "final", "model.safetensors"))
+    assert max(float((final[k] - best[k]).abs().max()) for k in final) == 0.0
+
+
+@pytest.mark.parametrize("args,words", [
+    (["checkpoint.keep_best=true", "train.eval_every=2"], ["checkpoint.keep_best", "without an eval split"]),
+    (["train.early_stopping_patience=2", "data.eval_fraction=0.1"], ["train.early_stopping_patience",
+                                                                     "train.eval_every=0"]),
+    (["train.epochs=2", "train.max_steps=10"], ["train.epochs", "one of them sets the run's length"]),
+])
+def test_bad_evaluation_settings_are_refused(args, words):
+    from launcher.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, args)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+    assert "fix:" in str(e.value)
+
+
+def test_eval_split_that_leaves_too_little_training_data_is_refused(tmp_path):
+    from launcher.config import ConfigError
+
+    with pytest.raises(ConfigError, match="fewer than one global batch"):
+        run_inprocess(tmp_path, "run_name=small", "engine=amp", "data.num_samples=16", "data.eval_fraction=0.5",
+                      "train.global_batch_size=16", "train.micro_batch_size=2")
+    assert not os.path.exists(tmp_path / "small")
+
+
+def test_epochs_set_the_steps_and_schedules_come_by_name(tmp_path):
+    """train.epochs=0.25 over 256 samples of global batch 8 is 8 steps (auto warmup: 10% of them); a named
+    schedule is transformers.get_scheduler's, and the lr the loop sets follows it."""
+    from launcher.config import load_config, with_epochs
+    from launcher.schedule import lr_at
+
+    cfg = with_epochs(load_config(None, ["train.epochs=0.25", "train.global_batch_size=8"]), 256)
+    assert cfg.train.max_steps == 8 and cfg.train.warmup_steps == 0
+    base = ["train.warmup_steps=1", "train.micro_batch_size=2", "train.global_batch_size=8", "data.seq_len=32",
+            "data.num_samples=256", "log.every_steps=1000", "sample_tokens=0", "engine=amp"]
+    s, rows = run_inprocess(tmp_path, "run_name=ep", *base, "train.epochs=0.25", "train.lr_schedule=linear",
+                            "train.lr=1e-3", fast=False)
+    assert s["steps"] == 8 and s["status"] == "completed"
+    assert [r["lr"] for r in rows] == pytest.approx([0.0, 1e-3 * 7 / 7, 1e-3 * 6 / 7, 1e-3 * 5 / 7, 1e-3 * 4 / 7,
+                                                     1e-3 * 3 / 7, 1e-3 * 2 / 7, 1e-3 * 1 / 7])
+    const = load_config(None, ["train.lr_schedule=constant", "train.lr=2e-3"]).train
+    assert {lr_at(i, const) for i in range(50)} == {2e-3}
