@@ -126,10 +126,6 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.E
         if capped:
             logger.info(capped)
     mon = MemoryMonitor.for_run(cfg, rd, device)  # stopped in the loop's finally
-    trackers = Trackers(cfg.log.report_to, rd.path, run_name, to_dict(cfg), ranks.is_main)  # closed there too
-    cleanup.callback(trackers.close)  # and when the run ends before the loop (a checkpoint that does not load)
-    if spec.plan is not None:
-        trackers.text("plan", report.format_table(spec.plan))
     if not resume_from:
         mon.start()  # memory.csv from here (a resume appends to it once its checkpoint has loaded)
     # ---- model, engine
@@ -219,6 +215,12 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.E
                 st.best_checkpoint = previous
         patience = cfg.train.early_stopping_patience
         return bool(patience) and st.evals_since_best >= patience
+
+    # ---- trackers: only once a resume has loaded (a refused one changes nothing in the run directory)
+    trackers = Trackers(cfg.log.report_to, rd.path, run_name, to_dict(cfg), ranks.is_main)  # closed after the loop
+    cleanup.callback(trackers.close)  # and when the run ends with an exception
+    if spec.plan is not None:
+        trackers.text("plan", report.format_table(spec.plan))
 
     # ---- the loop
     stop = StopRequested().install()
