@@ -215,7 +215,8 @@ def check_disk(root: str, expected_bytes: int, what: str) -> None:
     free = free_bytes(root)
     if free is not None and expected_bytes * 1.1 > free:
         raise DiskFull(f"disk full: {what} would not fit in {root}: it needs about {size_text(expected_bytes)} "
-                       f"(the size of the previous one) plus a 10% margin, and {size_text(free)} are free")
+                       f"(the size of the previous one, or the plan's estimate for the first) plus a 10% margin, and "
+                       f"{size_text(free)} are free")
 
 
 def write_dir_atomic(final: str, write, *, what: str, is_main: bool, barrier, expected_bytes: int | None = None) -> str:
@@ -260,8 +261,11 @@ def write_dir_atomic(final: str, write, *, what: str, is_main: bool, barrier, ex
 
 
 def save(engine, root: str, step: int, client_state: dict, settings: dict, *, is_main: bool, barrier,
-         keep_last: int, extra: dict | None = None, during_save=None) -> str:
-    """Write a complete checkpoint for ``step`` atomically; returns its path."""
+         keep_last: int, extra: dict | None = None, during_save=None, predicted_bytes: int | None = None,
+         keep: tuple[str, ...] = ()) -> str:
+    """Write a complete checkpoint for ``step`` atomically; returns its path. Before a byte is written, the
+    disk must hold the previous checkpoint's size (the first one: ``predicted_bytes``, the plan's) plus 10%.
+    Rotation keeps the last ``keep_last`` and the paths in ``keep`` (the best one by eval loss)."""
     previous = complete_checkpoints(root) if is_main else []
 
     def write(tmp: str) -> None:
@@ -274,10 +278,12 @@ def save(engine, root: str, step: int, client_state: dict, settings: dict, *, is
                                                    "settings": settings, **(extra or {}), "files": manifest(tmp)})
 
     final = write_dir_atomic(step_dir(root, step), write, what=f"checkpoint step-{step:06d}", is_main=is_main,
-                             barrier=barrier, expected_bytes=tree_bytes(previous[-1][1]) if previous else None)
+                             barrier=barrier, expected_bytes=tree_bytes(previous[-1][1]) if previous else predicted_bytes)
     if is_main:
+        kept = {os.path.normpath(k) for k in keep if k}
         for _s, path in complete_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(path, ignore_errors=True)
+            if os.path.normpath(path) not in kept:
+                shutil.rmtree(path, ignore_errors=True)
         for name in os.listdir(root):  # leftovers of killed writes
             if name.endswith(".tmp"):
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)

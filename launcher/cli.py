@@ -14,7 +14,7 @@ import os
 import sys
 
 from launcher import dist, log
-from launcher.config import ConfigError
+from launcher.config import Config, ConfigError
 from launcher.rundir import DiskFull
 
 EPILOG = """config: an optional YAML file, then key=value overrides, e.g.
@@ -84,10 +84,27 @@ def cmd_doctor(args) -> int:
     if args.calibrate:
         calibrate.calibration(force=True)  # measured now (under a minute) and cached
     cal = calibrate.read()
-    doc = {**hw.to_dict(), "calibration": cal.to_dict()}
-    print(json.dumps(doc, indent=2) if args.json else format_report(hw) + "\n" + calibrate.format_report(cal),
-          file=out)
+    disk = output_disk(Config().output_dir)
+    doc = {**hw.to_dict(), "calibration": cal.to_dict(), "output_disk": disk}
+    print(json.dumps(doc, indent=2) if args.json else format_report(hw) + "\n" + calibrate.format_report(cal)
+          + f"\noutput disk: {disk['free_text']} free of {disk['total_text']} under {disk['output_dir']} "
+          "(output_dir's default; `vramfit plan` sets a run's checkpoints and final/ against it)", file=out)
     return 0
+
+
+def output_disk(output_dir: str) -> dict:
+    """Free and total bytes of the disk that holds ``output_dir`` (its nearest existing parent)."""
+    import shutil
+
+    from launcher.rundir import free_bytes, size_text
+
+    p = os.path.abspath(output_dir)
+    while not os.path.exists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    total = shutil.disk_usage(p).total
+    free = free_bytes(p) or 0
+    return {"output_dir": os.path.abspath(output_dir), "free_bytes": free, "total_bytes": total,
+            "free_text": size_text(free), "total_text": size_text(total)}
 
 
 def cmd_profiles(args) -> int:
@@ -109,7 +126,7 @@ def cmd_profiles(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from launcher import advice, calibrate, compare, gpus, planner, report
+    from launcher import advice, calibrate, compare, diskspace, gpus, planner, report
     from launcher.config import load_config
     from launcher.hardware import probe, with_nvme
 
@@ -136,7 +153,12 @@ def cmd_plan(args) -> int:
     else:  # this machine, priced when it has been calibrated (vramfit doctor --calibrate)
         machine = calibrate.calibration(measure=False)
     plan = advice.add_suggestions(planner.plan(cfg, hw, world=world, machine=machine), cfg, hw, world=world)
-    print(json.dumps(plan.to_json(), indent=2) if args.json else report.format_table(plan), file=out)
+    row = plan.chosen_plan
+    disk = (diskspace.room(cfg.output_dir, row.checkpoint_bytes, row.final_bytes, cfg.checkpoint.keep_last)
+            if row is not None and cfg.checkpoint.save else None)
+    doc = {**plan.to_json(), "disk": disk}
+    text = report.format_table(plan) + (f"\n{diskspace.describe(disk)}" if disk else "")
+    print(json.dumps(doc, indent=2) if args.json else text, file=out)
     return 0 if plan.chosen else 2
 
 
@@ -173,7 +195,7 @@ def cmd_train(args) -> int:
     path, overrides = _split_config(args.config)
     cfg = load_config(path, overrides)
     summary = train(cfg)
-    return {"completed": 0, "interrupted": EXIT_INTERRUPTED}.get(summary["status"], EXIT_FAILED)
+    return {"completed": 0, "stopped_early": 0, "interrupted": EXIT_INTERRUPTED}.get(summary["status"], EXIT_FAILED)
 
 
 def cmd_bench(args) -> int:

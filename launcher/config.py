@@ -19,7 +19,7 @@ from typing import Any, get_origin
 
 from omegaconf import OmegaConf
 
-from launcher import dist
+from launcher import dist, tracking
 from launcher.profiles import PROFILES
 
 AUTO = "auto"
@@ -127,6 +127,16 @@ class DataConfig:
     vocab_size: int = _f(256, "Vocabulary of the synthetic task (must fit the model's).", min=8)
 
 
+LR_SCHEDULES = ("auto", "constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr",
+                "cosine_with_restarts", "polynomial", "inverse_sqrt")
+
+
+@dataclass
+class EvalConfig:
+    max_batches: int = _f(0, "Micro-batches per rank one eval runs at most (0 = the whole eval split, every sample "
+                          "once).", min=0)
+
+
 @dataclass
 class TrainConfig:
     max_steps: int = _f(200, "Optimizer steps to run.", min=1)
@@ -142,7 +152,14 @@ class TrainConfig:
     beta2: float = _f(0.95, "AdamW beta2.", min=0.0, below=1.0)  # 1: v / (1 - 1**t) = 0/0: NaN at step 1
     eps: float = _f(1e-8, "AdamW epsilon.", above=0.0)  # 0: a parameter whose gradient is 0 divides 0 by 0
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this (0 = off).", min=0.0)
-    eval_every: int = _f(0, "Eval loss every N steps (0 = only at the end when an eval split exists).", min=0)
+    eval_every: int = _f(0, "Eval loss and perplexity every N steps (0 = only at the end when an eval split exists).",
+                         min=0)
+    epochs: float = _f(0.0, "Passes over the training data, instead of train.max_steps (0 = train.max_steps decides); "
+                       "max_steps = ceil(epochs x training samples / global_batch_size).", min=0.0)
+    lr_schedule: str = _f("auto", "Learning-rate schedule after the warmup: auto (cosine down to lr x min_lr_ratio), or "
+                          "a name of transformers.get_scheduler (constant keeps no warmup).", choices=LR_SCHEDULES)
+    early_stopping_patience: int = _f(0, "Stop after this many evals in a row without a lower eval loss (status "
+                                      "stopped_early, final/ from the best checkpoint); 0 = never.", min=0)
     optimizer: str = _f("adamw", "adamw, adamw8bit (bitsandbytes, AMP path only), or paged_adamw8bit (bitsandbytes' "
                         "paged 8-bit AdamW: states in CUDA unified memory that pages to the CPU under pressure; CUDA "
                         "and the AMP path only).", choices=("adamw", "adamw8bit", "paged_adamw8bit"))
@@ -190,6 +207,8 @@ class CheckpointConfig:
     resume: str = _f("auto", "auto (newest complete checkpoint of this run), never, or a checkpoint path.")
     save: bool = _f(True, "Write checkpoints and the final weights; false only for measurements (nothing to "
                     "resume or export; vramfit bench).")
+    keep_best: bool = _f(False, "Keep the checkpoint with the lowest eval loss beside the last keep_last (a checkpoint "
+                         "is written at every eval that improves); needs an eval split and train.eval_every.")
 
 
 @dataclass
@@ -203,6 +222,9 @@ class LogConfig:
     leak_steps: int = _f(20, "Warn when memory after each step only grows over this many steps, after as many "
                          "warm-up steps (0 = no leak check).", min=0)
     leak_mib: float = _f(64.0, "Growth over log.leak_steps steps, in MiB, that counts as a leak.", min=0.0)
+    report_to: list = _f(["tensorboard"], "Trackers that get the metrics, eval results and the plan: tensorboard "
+                         "(event files in <run>/tensorboard), wandb, mlflow (optional extras; offline unless their "
+                         "environment says otherwise), or none.")
 
 
 @dataclass
@@ -224,6 +246,7 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
@@ -458,7 +481,20 @@ def check(cfg: Config, world: int | None = None) -> list[str]:
                 f"and {world} rank(s); rule: global batch = micro-batch x accumulation x world size, so it must be a "
                 f"multiple of {per_step}; fix: train.global_batch_size={lo} or {lo + per_step}, or a micro-batch "
                 f"that divides {t.global_batch_size // world if t.global_batch_size % world == 0 else t.global_batch_size}")
-    if t.warmup_steps > t.max_steps:
+    has_eval = bool(cfg.data.eval_source) or cfg.data.eval_fraction > 0
+    for key, on in (("checkpoint.keep_best", cfg.checkpoint.keep_best),
+                    ("train.early_stopping_patience", t.early_stopping_patience > 0)):
+        if on and not has_eval:
+            problems.append(f"{key}: set without an eval split; rule: it acts on the eval loss, so data.eval_source or "
+                            f"data.eval_fraction must give eval samples; fix: data.eval_fraction=0.05 (or "
+                            f"data.eval_source=FILE), or drop {key}")
+        elif on and not t.eval_every:
+            problems.append(f"{key}: set with train.eval_every=0; rule: it acts on evals during the run; fix: "
+                            f"train.eval_every={max(1, t.max_steps // 10)}")
+    if cfg.checkpoint.keep_best and not cfg.checkpoint.save:
+        problems.append("checkpoint.keep_best: set with checkpoint.save=false; rule: the best is a checkpoint; fix: "
+                        "checkpoint.save=true, or drop checkpoint.keep_best")
+    if isinstance(t.warmup_steps, int) and t.warmup_steps > t.max_steps and not t.epochs:
         problems.append(f"train.warmup_steps: got {t.warmup_steps} > train.max_steps={t.max_steps}; "
                         f"rule: warmup must end inside the run; fix: train.warmup_steps={max(0, t.max_steps // 10)}")
     if cfg.model.quantize != "none" and cfg.lora.r == 0:
@@ -519,6 +555,7 @@ def check(cfg: Config, world: int | None = None) -> list[str]:
             problems.append(f"memory.nvme_path: got {nvme!r}, not writable by this user; rule: the swap files are "
                             f"written there; fix: a folder you can write (chmod u+w {nvme}), or memory.nvme_path=\"\"")
     problems += check_data(cfg.data)
+    problems += tracking.problems(cfg.log.report_to)
     if cfg.checkpoint.resume not in ("auto", "never") and not os.path.exists(cfg.checkpoint.resume):
         problems.append(f"checkpoint.resume: got {cfg.checkpoint.resume!r}; rule: auto, never, or an existing "
                         "checkpoint directory; fix: checkpoint.resume=auto")
@@ -606,12 +643,28 @@ def auto_warmup_steps(max_steps: int) -> int:
     return max_steps // 10
 
 
+def with_epochs(cfg: Config, train_samples: int) -> Config:
+    """``train.epochs`` turned into ``train.max_steps`` once the training samples are counted (and an auto warmup
+    into 10% of those steps); the config unchanged without epochs."""
+    t = cfg.train
+    if not t.epochs:
+        return cfg
+    steps = max(1, math.ceil(t.epochs * train_samples / t.global_batch_size))
+    warmup = auto_warmup_steps(steps) if t.warmup_steps == AUTO else min(int(t.warmup_steps), steps)
+    return dataclasses.replace(cfg, train=dataclasses.replace(t, max_steps=steps, warmup_steps=warmup))
+
+
 def load_config(path: str | None = None, overrides: list[str] | None = None, world: int | None = None) -> Config:
     """YAML file + overrides -> validated :class:`Config`. Raises one ConfigError listing every problem."""
     raw = load_raw(path, overrides)
     problems: list[str] = []
     cfg = _build(Config, raw, "", problems)
-    if cfg.train.warmup_steps == AUTO:  # follows the run's length, so a short smoke run works with the defaults
+    train_raw = raw.get("train") if isinstance(raw.get("train"), dict) else {}
+    if cfg.train.epochs and "max_steps" in train_raw:
+        problems.append(f"train.epochs: got {cfg.train.epochs:g} with train.max_steps={train_raw['max_steps']}; rule: "
+                        "one of them sets the run's length; fix: drop train.max_steps, or train.epochs=0")
+    # follows the run's length, so a short smoke run works with the defaults; with epochs, once the data is counted
+    if cfg.train.warmup_steps == AUTO and not cfg.train.epochs:
         cfg.train.warmup_steps = auto_warmup_steps(cfg.train.max_steps)
     problems += names_and_paths(cfg)
     if not problems:

@@ -38,6 +38,7 @@ from launcher.memory.states import (
     QUANT_BYTES_PER_PARAM,
     RunShape,
     add_part,
+    files_on_disk,
     model_states,
 )
 from launcher.memory.trace import ActivationEstimate, TraceSettings, estimate_activations
@@ -82,6 +83,8 @@ class ProfilePlan:
     time_parts: dict = field(default_factory=dict)  # part -> seconds per step (launcher.steptime)
     time_notes: list = field(default_factory=list)
     reduce_bucket_size: int | None = None  # DeepSpeed on one rank: the gradient bucket the run gets (elements)
+    checkpoint_bytes: int = 0  # one checkpoint on disk (trainable weights, optimizer state, loop state)
+    final_bytes: int = 0  # final/ on disk (the adapter, or the whole model)
 
     @property
     def setting(self) -> str:
@@ -336,6 +339,8 @@ def _plan_profile(p: Profile, run: RunShape, micro_batch: int, gpu_budget: int, 
                       peak_phase=peak_phase, phases=phases if on_gpu else {}, lower_bound=lower_bound,
                       checkpointing=run.checkpointing, checkpoint_every=run.checkpoint_every if run.checkpointing else 1,
                       chunked_loss=run.chunked_loss, offload_activations=run.offload_activations)
+    on_disk = files_on_disk(p, run.counts, run.lora_r, run.optimizer)
+    row.checkpoint_bytes, row.final_bytes = on_disk["checkpoint"], on_disk["final"]
     if machine is not None and est is not None:
         t = steptime.predict(p, machine, ops=_ops(est, run), counts=run.counts, micro_batch=micro_batch,
                              accumulation=accumulation, seq_len=run.seq_len, world=run.world, pinned=pinned,
@@ -633,7 +638,7 @@ def _settings(cfg: Config, run: RunShape, why_precision: str) -> dict:
             "seq_len": run.seq_len, "micro_batch_size": cfg.train.micro_batch_size,
             "global_batch_size": run.global_batch, "world_size": run.world,
             "gradient_checkpointing": cfg.model.gradient_checkpointing, "checkpoint_every": cfg.model.checkpoint_every,
-            "max_steps": cfg.train.max_steps,
+            "max_steps": cfg.train.max_steps, "keep_last": cfg.checkpoint.keep_last, "output_dir": cfg.output_dir,
             "attn_implementation": run.attn_implementation, "lora_r": run.lora_r,
             "lora_target_modules": list(run.lora_targets), "quantize": run.quantize, "optimizer": run.optimizer,
             "packed": run.packed}

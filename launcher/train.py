@@ -17,9 +17,9 @@ from dataclasses import asdict, dataclass, field, replace
 import psutil
 import torch
 
-from launcher import calibrate, dist, engines, generate, hfconfig, kernels, log, lora, plots, progress, threads
+from launcher import calibrate, diskspace, dist, engines, generate, hfconfig, kernels, log, lora, plots, progress, report, threads
 from launcher import checkpoint as ckpt
-from launcher.config import Config, ConfigError, to_yaml
+from launcher.config import Config, ConfigError, to_dict, to_yaml, with_epochs
 from launcher.data import load_splits, settle_formats
 from launcher.engines.base import StepResult, host_values
 from launcher.engines.deepspeed import restore_torch_functions
@@ -33,6 +33,7 @@ from launcher.profiles import PROFILES
 from launcher.resolve import RunSpec, resolve
 from launcher.rundir import LOCK, DiskFull, LockHeld, RunDir, RunLock, default_run_name, disk_full_message, is_disk_full, read_json
 from launcher.schedule import lr_at
+from launcher.tracking import Trackers
 
 
 @dataclass
@@ -46,6 +47,9 @@ class State:
     resumed_from: str | None = None
     tokens_seen: int = 0  # tokens processed, padding left out
     tokens_in_loss: int = 0  # positions whose next token is in the loss
+    best_eval_loss: float | None = None  # the lowest eval loss so far
+    best_checkpoint: str | None = None  # its checkpoint (checkpoint.keep_best), kept out of the rotation
+    evals_since_best: int = 0  # evals in a row without a lower loss (train.early_stopping_patience)
 
 
 def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -> dict:
@@ -87,7 +91,19 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.E
     # ---- tokenizer, data, sample prompt: input problems surface before the run directory exists
     tokenizer = load_tokenizer(cfg)
     train_data, eval_data = load_splits(cfg, hf_config.vocab_size, tokenizer, hf_config)
+    if cfg.train.epochs:
+        cfg = with_epochs(cfg, len(train_data))
+        logger.info(f"train.epochs={cfg.train.epochs:g} over {len(train_data)} samples: {cfg.train.max_steps} steps "
+                    f"of {cfg.train.global_batch_size}, warmup {cfg.train.warmup_steps}")
     sample_prompt = generate.prompt_ids(cfg, tokenizer, eval_data if eval_data is not None else train_data)
+    if cfg.checkpoint.save:  # room for the checkpoints and final/ on the output disk, before anything is written
+        disk = diskspace.room(cfg.output_dir, spec.predicted("checkpoint_bytes") or 0, spec.predicted("final_bytes") or 0,
+                              cfg.checkpoint.keep_last + int(cfg.checkpoint.keep_best),
+                              run_dir=os.path.join(cfg.output_dir, cfg.run_name) if cfg.run_name else None)
+        problem = diskspace.refusal(disk, cfg.lora.r)
+        if problem:
+            raise ConfigError([problem], "disk plan")
+        logger.info(diskspace.describe(disk))
     rd, resume_from, run_name, damaged = prepare_run_dir(cfg, ranks, cleanup)
     settings = ckpt.fixed_settings(asked)
     if resume_from:
@@ -149,6 +165,8 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.E
         st.step, st.first_loss, st.skipped = client["step"], client.get("first_loss"), client.get("skipped", 0)
         st.fallbacks, st.tokens_seen = client.get("fallbacks", []), client.get("tokens_seen", 0)
         st.tokens_in_loss = client.get("tokens_in_loss", 0)
+        st.best_eval_loss, st.best_checkpoint = client.get("best_eval_loss"), client.get("best_checkpoint")
+        st.evals_since_best = client.get("evals_since_best", 0)
         rng = client["rng"]
         ckpt.set_rng_state(rng[min(ranks.rank, len(rng) - 1)] if isinstance(rng, list) else rng)
         st.resumed_from = resume_from
@@ -163,13 +181,55 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.E
     def save_checkpoint() -> str:
         client = {"step": st.step, "samples_seen": st.step * cfg.train.global_batch_size, "first_loss": st.first_loss,
                   "skipped": st.skipped, "fallbacks": st.fallbacks, "tokens_seen": st.tokens_seen,
-                  "tokens_in_loss": st.tokens_in_loss,
+                  "tokens_in_loss": st.tokens_in_loss, "best_eval_loss": st.best_eval_loss,
+                  "best_checkpoint": st.best_checkpoint, "evals_since_best": st.evals_since_best,
                   "rng": ranks.gather(ckpt.rng_state())}
         path = ckpt.save(engine, rd.checkpoints, st.step, client, settings, is_main=ranks.is_main,
                          barrier=ranks.barrier, keep_last=cfg.checkpoint.keep_last, extra={"rung": asdict(spec.rung)},
-                         during_save=hooks.during_save)
+                         during_save=hooks.during_save, predicted_bytes=spec.predicted("checkpoint_bytes"),
+                         keep=(st.best_checkpoint,) if cfg.checkpoint.keep_best and st.best_checkpoint else ())
         logger.info(f"checkpoint {path}")
         return path
+
+    def save_periodic() -> bool:
+        """A checkpoint on the way that does not fit on the disk is skipped with a warning (its partial files are
+        already gone) and the run goes on; the last one must fit (DiskFull ends the run as failed, with the last
+        good checkpoint). Returns whether it was written."""
+        try:
+            save_checkpoint()
+            return True
+        except DiskFull as e:
+            logger.warning(f"checkpoint at step {st.step} skipped: {e}; the run goes on, the last good checkpoint is "
+                           f"{ckpt.latest(rd.checkpoints) or 'none yet'}; fix: free space there or lower "
+                           "checkpoint.keep_last")
+            return False
+
+    def run_eval() -> bool:
+        """Eval loss and perplexity now; the best is kept (checkpoint.keep_best). True when the run should stop
+        (train.early_stopping_patience evals in a row without a lower loss)."""
+        ev = evaluate(engine, eval_data, spec.micro_batch, ranks, cfg.eval.max_batches)
+        improved = st.best_eval_loss is None or ev < st.best_eval_loss
+        if improved:
+            st.best_eval_loss, st.evals_since_best = ev, 0
+        else:
+            st.evals_since_best += 1
+        logger.info(f"eval loss {ev:.4f}, perplexity {perplexity(ev):.4g} at step {st.step}"
+                    + (" (best so far)" if improved else f" (best {st.best_eval_loss:.4f}; {st.evals_since_best} "
+                                                         "without improvement)"))
+        trackers.log({"eval_loss": ev, "eval_perplexity": perplexity(ev), "eval_best_loss": st.best_eval_loss},
+                     st.step)
+        if improved and cfg.checkpoint.keep_best and cfg.checkpoint.save:
+            previous, st.best_checkpoint = st.best_checkpoint, ckpt.step_dir(rd.checkpoints, st.step)
+            if not save_periodic():  # the checkpoint recorded itself as the best; it was not written
+                st.best_checkpoint = previous
+        patience = cfg.train.early_stopping_patience
+        return bool(patience) and st.evals_since_best >= patience
+
+    # ---- trackers: only once a resume has loaded (a refused one changes nothing in the run directory)
+    trackers = Trackers(cfg.log.report_to, rd.path, run_name, to_dict(cfg), ranks.is_main)  # closed after the loop
+    cleanup.callback(trackers.close)  # and when the run ends with an exception
+    if spec.plan is not None:
+        trackers.text("plan", report.format_table(spec.plan))
 
     # ---- the loop
     stop = StopRequested().install()
@@ -257,6 +317,7 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.E
                    "tokens_in_loss_per_s": batch.tokens_in_loss / dt, **mem, "time_s": time.perf_counter() - t_start,
                    "micro_batch": spec.micro_batch, **mon.end_step(st.step, mem)}
             rd.append_metrics(row)
+            trackers.log(row, st.step)
             bar.update(row)  # a bar on a terminal, else a log line every log.every_steps
             # fp16 that keeps overflowing at the minimum scale will never train: stop with a diagnosis
             at_min = result.skipped and result.loss_scale is not None and result.loss_scale <= cfg.loss_scale.min_scale
@@ -266,16 +327,22 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.E
                     engine, train_data, spec.rung, st.step, cfg, lr,
                     f"{at_min_scale} steps in a row overflowed at the minimum loss scale {cfg.loss_scale.min_scale:g}")
                 break
+            saved_here = False
             if eval_data is not None and cfg.train.eval_every and st.step % cfg.train.eval_every == 0:
-                logger.info(f"eval loss {evaluate(engine, eval_data, spec.micro_batch, ranks):.4f} at step {st.step}")
+                if run_eval():
+                    status = "stopped_early"
+                    logger.info(f"early stop at step {st.step}: {st.evals_since_best} evals without a lower eval loss "
+                                f"than {st.best_eval_loss:.4f}")
+                    break
+                saved_here = st.best_checkpoint == ckpt.step_dir(rd.checkpoints, st.step)
             if hooks.after_step:
                 hooks.after_step(st.step)
             if ranks.any(bool(stop)):  # ranks agree, so all of them save the same step
                 status = "interrupted"
                 break
             if (cfg.checkpoint.save and cfg.checkpoint.every_steps and st.step % cfg.checkpoint.every_steps == 0
-                    and st.step < cfg.train.max_steps):
-                save_checkpoint()
+                    and st.step < cfg.train.max_steps and not saved_here):
+                save_periodic()
         last_ckpt = save_checkpoint() if cfg.checkpoint.save else None
     except OSError as e:  # a full disk ends the run as failed, with a summary and the last good checkpoint
         if not isinstance(e, DiskFull) and not is_disk_full(e, rd.path):
@@ -289,8 +356,17 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.E
         mon.stop()
     elapsed = time.perf_counter() - t_start
     # ---- outputs: the run is finished and recorded (final/, summary) before the sample after training
-    eval_loss = evaluate(engine, eval_data, spec.micro_batch, ranks) if eval_data is not None else None
-    if status == "completed" and cfg.checkpoint.save:
+    best = st.best_checkpoint if status == "stopped_early" and st.best_checkpoint and os.path.isdir(
+        st.best_checkpoint) else None
+    if best:  # final/ from the best weights by eval loss
+        engine.load(best)
+        logger.info(f"final/ from the best checkpoint {best} (eval loss {st.best_eval_loss:.4f})")
+    eval_loss = (st.best_eval_loss if best else evaluate(engine, eval_data, spec.micro_batch, ranks,
+                                                         cfg.eval.max_batches)) if eval_data is not None else None
+    if eval_data is not None and status in ("completed", "stopped_early"):
+        trackers.log({"eval_loss": eval_loss, "eval_perplexity": perplexity(eval_loss)}, st.step)
+    trackers.close()
+    if status in ("completed", "stopped_early") and cfg.checkpoint.save:
         def write_final(tmp: str) -> None:
             engine.save_final(tmp)
             if tokenizer is not None and ranks.is_main:
@@ -308,7 +384,8 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.E
     summary = {
         "status": status, "engine": engine.name, "profile": spec.profile.name, "precision": spec.precision,
         "device": str(device), "steps": st.step, "first_loss": st.first_loss, "final_loss": loss,
-        "eval_loss": eval_loss,
+        "eval_loss": eval_loss, "eval_perplexity": perplexity(eval_loss) if eval_loss is not None else None,
+        "best_eval_loss": st.best_eval_loss, "best_checkpoint": st.best_checkpoint,
         "tokens_per_s": (sum(measured) / len(measured)) if measured else st.tokens_seen / max(elapsed, 1e-9),
         "tokens_in_loss_per_s": (sum(in_loss) / len(in_loss)) if in_loss else st.tokens_in_loss / max(elapsed, 1e-9),
         "peak_gpu_bytes": mon.peak_gpu_bytes(), "peak_gpu_reserved_bytes": mon.peak_gpu_reserved_bytes(),
@@ -337,7 +414,7 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.E
         except Exception as e:  # noqa: BLE001 -- matplotlib raises many kinds; the run's data is all saved
             logger.warning(f"memory.png not written: {type(e).__name__}: {e}")
     # The sample is a courtesy: one that fails is a warning in the summary, never a failed run.
-    if status == "completed" and sample_prompt:
+    if status in ("completed", "stopped_early") and sample_prompt:
         try:
             summary["sample"] = generate.run_sample(engine, sample_prompt, cfg, tokenizer, spec.precision, rd.path,
                                                     ranks.is_main)
@@ -422,6 +499,10 @@ def _resume_point(cfg: Config, rd: RunDir, explicit: bool) -> tuple[str | None, 
                            + ("" if found is None else " or checkpoint.resume=auto to continue it")])
     summary = read_json(rd.file("summary.json")) if os.path.exists(rd.file("summary.json")) else {}
     done = max(ckpt.read_marker(found)["step"], summary.get("steps") or 0)
+    if summary.get("status") == "stopped_early":
+        raise ConfigError([f"run_name: {rd.path} stopped early at step {summary.get('steps')} (no lower eval loss "
+                           f"for train.early_stopping_patience evals); rule: a finished run is not overwritten; fix: "
+                           "another run_name"])
     if summary.get("status") == "completed" and done >= cfg.train.max_steps:
         raise ConfigError([f"run_name: {rd.path} already completed {done} steps; rule: a finished run is not "
                            f"overwritten; fix: another run_name, or train.max_steps > {done} to continue it"])
@@ -485,13 +566,25 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else float("inf")
+
+
 @torch.no_grad()
-def evaluate(engine, data, micro_batch: int, ranks: dist.Dist, max_batches: int = 16) -> float:
-    """Mean eval loss. Every rank runs the same number of batches (ZeRO-3 and FSDP forwards are collective)."""
+def evaluate(engine, data, micro_batch: int, ranks: dist.Dist, max_batches: int = 0) -> float:
+    """Mean eval loss over the eval split, every sample once (``max_batches`` > 0: at most that many micro-batches
+    per rank), weighted by the samples of each micro-batch. Every rank runs the same number of batches (ZeRO-3 and
+    FSDP forwards are collective); a rank past the end repeats the last samples with weight 0."""
     n = len(data)
-    batches = max(1, min(max_batches, n // (micro_batch * ranks.world)))
-    losses = []
+    per_round = micro_batch * ranks.world
+    batches = max(1, -(-n // per_round))
+    if max_batches:
+        batches = min(batches, max_batches)
+    total, weight = 0.0, 0
     for i in range(batches):
-        start = ((i * ranks.world + ranks.rank) * micro_batch) % n
-        losses.append(engine.eval_loss(data.batch([(start + j) % n for j in range(micro_batch)])))
-    return ranks.mean(sum(losses) / max(1, len(losses)))
+        start = (i * ranks.world + ranks.rank) * micro_batch
+        idx = [j for j in range(start, start + micro_batch) if j < n]
+        loss = engine.eval_loss(data.batch(idx or [n - 1]))
+        total, weight = total + loss * len(idx), weight + len(idx)
+    # sums over ranks (mean x world), so each sample weighs the same wherever it was evaluated
+    return ranks.mean(total) / max(1e-12, ranks.mean(float(weight)))

@@ -27,8 +27,9 @@ from packaging.utils import canonicalize_name
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 top = [Requirement(r) for r in project["dependencies"]]
 GPU_ONLY = {"kernels"}  # Triton kernels: installable only with CUDA, so neither locked nor checked here
+TRACKERS = {"wandb", "mlflow"}  # optional trackers, the user's choice of version: not locked either
 for extra, reqs in project.get("optional-dependencies", {}).items():
-    if extra not in GPU_ONLY:
+    if extra not in GPU_ONLY | TRACKERS:
         top += [Requirement(r) for r in reqs]
 
 pins, missing = {}, []

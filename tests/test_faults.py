@@ -422,7 +422,8 @@ def enospc(*_a, **_k):
                                 "pre-check"])
 def test_disk_full(capsys, monkeypatch, tmp_path, at):
     """The run ends 'failed' (exit 1) with a message in MiB, a summary and the last good checkpoint; no
-    partial file stays behind; nothing is written outside the run directory."""
+    partial file stays behind; nothing is written outside the run directory. A checkpoint on the way
+    (first-checkpoint: step 2 of 4) is skipped with a warning instead, and the run completes."""
     import launcher.train as train_mod
     from launcher import rundir
     from launcher.engines import amp
@@ -464,6 +465,13 @@ def test_disk_full(capsys, monkeypatch, tmp_path, at):
     before = snapshot(tmp_path)
     rc, err = vramfit(capsys, monkeypatch, "train", *RUN, "train.max_steps=4", "checkpoint.every_steps=2",
                       f"output_dir={tmp_path}/out", "run_name=full", cwd=tmp_path)
+    if at == "first-checkpoint":  # a checkpoint on the way: skipped, the run goes on to its last one
+        assert rc == 0, err[-3000:]
+        assert "checkpoint at step 2 skipped: disk full" in err and "the run goes on" in err
+        run = tmp_path / "out" / "full"
+        assert sorted(os.listdir(run / "checkpoints")) == ["step-000004"]
+        assert json.load(open(run / "summary.json"))["status"] == "completed" and (run / "final").is_dir()
+        return
     assert rc == 1, err[-3000:]
     disk_full(err)
     run = tmp_path / "out" / "full"
@@ -471,7 +479,7 @@ def test_disk_full(capsys, monkeypatch, tmp_path, at):
     left = [p for p in snapshot(run) if ".tmp" in p or ".old" in p or "vramfit.lock" in p]
     assert not left, left
     complete = sorted(os.listdir(run / "checkpoints"))
-    want = {"first-checkpoint": [], "second-checkpoint": ["step-000002"], "final": ["step-000002", "step-000004"],
+    want = {"second-checkpoint": ["step-000002"], "final": ["step-000002", "step-000004"],
             "metrics": ["step-000002"], "summary": ["step-000002", "step-000004"], "pre-check": ["step-000002"]}[at]
     assert complete == want
     if at == "summary":

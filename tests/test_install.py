@@ -26,6 +26,8 @@ PROJECT = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["projec
 LOCK_FLOORED_EXTRAS = ("deepspeed", "quant")
 # CUDA-only extras: nothing of them installs on a CPU machine, so the lock cannot pin them (see pyproject.toml)
 GPU_ONLY_EXTRAS = ("kernels",)
+# Optional trackers (log.report_to): the user's choice of version, neither locked nor floored (see pyproject.toml)
+UNLOCKED_EXTRAS = (*GPU_ONLY_EXTRAS, "wandb", "mlflow")
 
 
 def pins(path: str) -> dict[str, Requirement]:
@@ -58,7 +60,7 @@ def requirements(group: str | None = None) -> list[Requirement]:
 
 def test_lock_pins_every_dependency_and_no_cuda_package():
     lock = pins(LOCK)
-    everything = requirements() + [r for g in PROJECT["optional-dependencies"] if g not in GPU_ONLY_EXTRAS
+    everything = requirements() + [r for g in PROJECT["optional-dependencies"] if g not in UNLOCKED_EXTRAS
                                    for r in requirements(g)]
     for req in everything:
         key = canonicalize_name(req.name)

@@ -166,14 +166,22 @@ class DeepSpeedEngine:
             self.engine.train()
 
     def save(self, directory: str, client_state: dict) -> None:
-        self.engine.save_checkpoint(directory, tag="ds", client_state={"vramfit": client_state})
+        # Frozen parameters (a LoRA run's base) are left out: the model is rebuilt from the same base before a
+        # resume, so the checkpoint holds the adapters, their fp32 master copies and Adam moments only.
+        self.engine.save_checkpoint(directory, tag="ds", client_state={"vramfit": client_state},
+                                    exclude_frozen_parameters=True)
 
     def load(self, directory: str) -> dict:
+        # not strict: the frozen base is not in the checkpoint, it is already in the model
         _path, client = self.engine.load_checkpoint(directory, tag="ds", load_optimizer_states=True,
-                                                    load_lr_scheduler_states=False)
+                                                    load_lr_scheduler_states=False,
+                                                    load_module_strict=not self._has_frozen())
         if client is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint in {directory}")
         return client["vramfit"]
+
+    def _has_frozen(self) -> bool:
+        return any(not p.requires_grad for p in self.engine.module.parameters())
 
     def save_final(self, directory: str) -> None:
         # Under ZeRO-3 the 16-bit weights are gathered onto rank 0 (stage3_gather_16bit_weights_on_model_save).

@@ -203,24 +203,34 @@ class FsdpEngine:
         self.optimizer.zero_grad(set_to_none=True)
 
     # ---- checkpoints
+    @staticmethod
+    def _sd_options():
+        """Frozen parameters (a LoRA run's base) are neither saved nor loaded: the model is rebuilt from the same
+        base before a resume, so a checkpoint holds the adapters' shards and their AdamW moments only."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(ignore_frozen_params=True)
+
     def save(self, directory: str, client_state: dict) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._sd_options())
         dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=directory, process_group=self.group)
         torch.save({"scaler": self.scaler.state_dict(), "client_state": client_state, "world": self.world},
                    os.path.join(directory, f"engine-rank{self.rank:05d}.pt"))
 
     def load(self, directory: str) -> dict:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)  # the shapes to load into
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._sd_options())  # shapes to fill
         state = {"model": model_sd, "optimizer": optim_sd}
         dcp.load(state, checkpoint_id=directory, process_group=self.group)  # reshards when the world changed
+        # not strict: the frozen base is not in the checkpoint, it is already in the model
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+                       optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(ignore_frozen_params=True, strict=False))
         mine = os.path.join(directory, f"engine-rank{self.rank:05d}.pt")
         extra = torch.load(mine if os.path.exists(mine) else os.path.join(directory, "engine-rank00000.pt"),
                            map_location="cpu", weights_only=False)

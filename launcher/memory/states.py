@@ -77,6 +77,30 @@ class RunShape:
         return int(self.config.hidden_size)
 
 
+# Beside the tensors: the loop state (RNG of every library, counters), the marker with its checksums, DCP's
+# metadata; final/ adds the config, generation config and the tokenizer (a few MiB for a 32k vocabulary).
+CHECKPOINT_EXTRA_BYTES = MiB
+FINAL_EXTRA_BYTES = 8 * MiB
+
+
+def files_on_disk(p: Profile, counts: ParamCounts, lora_r: int, optimizer: str = "adamw") -> dict:
+    """Bytes one checkpoint and ``final/`` take on disk with profile ``p``: {"checkpoint", "final"}.
+
+    A checkpoint holds what trains and never the frozen base (launcher.engines: DeepSpeed's
+    ``exclude_frozen_parameters``, DCP without frozen parameters, AMP's trainable state dict): AMP and FSDP
+    write the fp32 weights and Adam's moments (12 B per trainable parameter with AdamW); DeepSpeed writes the
+    module's copy in the compute dtype beside its fp32 master and moments (2 + 12 B in 16 bits, 16 B in fp32).
+    ``final/`` is the adapter (LoRA) or the whole model, in the dtype the engine keeps the weights in."""
+    trainable = counts.adapters if lora_r > 0 else counts.total
+    opt = OPTIMIZER_BYTES_PER_PARAM.get(optimizer, 8)
+    weights = BYTES[p.precision] if p.engine == "deepspeed" else 4
+    if p.engine == "deepspeed":
+        ckpt = trainable * (weights + 4 + opt)
+    else:
+        ckpt = trainable * (4 + opt)
+    return {"checkpoint": int(ckpt + CHECKPOINT_EXTRA_BYTES), "final": int(trainable * weights + FINAL_EXTRA_BYTES)}
+
+
 def add_part(d: dict, part: str, n: float):
     if n:
         d[part] = d.get(part, 0) + int(round(n))
