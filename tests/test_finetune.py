@@ -128,7 +128,7 @@ def test_lora_zero3_offload_saves_the_gathered_adapter(hf, tmp_path):
 
     s, rows = run_inprocess(tmp_path, *lora_args(hf, "profile=zero3-bf16-offload-all", "run_name=z3", steps=10),
                             fast=False)
-    assert s["status"] == "completed" and s["optimizer"] == "DeepSpeedCPUAdam"
+    assert s["status"] == "completed" and s["optimizer"] == "torch.optim.AdamW(fused=True)"  # offload without an op build
     falls(rows)
     final = os.path.join(s["run_dir"], "final")
     sd = load_file(os.path.join(final, "adapter_model.safetensors"))

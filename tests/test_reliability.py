@@ -213,7 +213,7 @@ def test_oom_ladder_runs_to_checkpointing_and_more_offload(tmp_path):
             "train.warmup_steps=2"]
     s, rows = run_inprocess(tmp_path, *base, "run_name=ladder", hooks=oom_hook([2, 2, 2]))
     assert s["status"] == "completed" and s["profile"] == "zero2-bf16-offload-opt"
-    assert s["optimizer"] == "DeepSpeedCPUAdam" and s["gradient_checkpointing"] is True
+    assert s["optimizer"] == "torch.optim.AdamW(fused=True)" and s["gradient_checkpointing"] is True
     assert [f["to"]["profile"] for f in s["fallbacks"]] == ["zero2-bf16", "zero2-bf16", "zero2-bf16-offload-opt"]
     ref, ref_rows = run_inprocess(tmp_path, *base, "run_name=ref")
     mx, _ = compare(losses(rows), losses(ref_rows), "bf16 after moving to offload vs no OOM")
