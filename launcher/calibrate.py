@@ -52,9 +52,9 @@ contended CPU is warned about. It costs 30 s on one thread of a busy 2-core EPYC
 building DeepSpeed engines and tracing the tiny models, and about 400 MiB of RAM (2 GiB of GPU memory).
 
 The cache: one JSON per machine key (device name, driver and CUDA versions, CPU model, threads, torch and
-DeepSpeed versions) in ``$XDG_CACHE_HOME/vramfit`` (``~/.cache/vramfit``), written atomically. A stale,
-corrupt, truncated or mismatched file is said so in the log and measured again, or ignored where measuring
-is not wanted (:func:`calibration` with ``measure=False``: the caller goes on without speeds).
+DeepSpeed versions) under :func:`launcher.paths.cache_root` (``~/.cache/vramfit`` by default), written
+atomically. A stale, corrupt, truncated or mismatched file is said so in the log and measured again, or
+ignored where measuring is not wanted (:func:`calibration` with ``measure=False``: the caller goes on without speeds).
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ from dataclasses import dataclass, field
 import torch
 
 from launcher.log import logger
+from launcher.paths import cache_root
 from launcher.steptime import Machine, Rates
 
 FORMAT = 1  # of the cache file; another value is measured again
@@ -127,7 +128,7 @@ class Sizes:
 
 
 def cache_dir() -> str:
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vramfit")
+    return cache_root()
 
 
 def cpu_model() -> str:

@@ -313,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         log.setup(rank=dist.current().rank)
+        from launcher import tracestore  # late: it imports torch, which --help and bad arguments need not wait for
+
+        tracestore.install()  # a model planned before is not traced again
         with results_stdout() as args.stdout:
             return args.fn(args)
     except dist.EnvError as e:  # no rank to go by: every process says it

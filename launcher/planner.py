@@ -459,8 +459,10 @@ def plan(cfg: Config, hw: Hardware, profiles: list[str] | None = None, *, world:
                candidates=[{"profile": c.profile, "setting": c.setting, "micro_batch": c.micro_batch,
                             "checkpointing": c.checkpointing, "checkpoint_every": c.checkpoint_every,
                             "step_s": c.step_s, "tokens_per_s": c.tokens_per_s} for c in every])
-    if chosen is not None and len(every) > 1:
-        second = every[1] if every[0] is chosen else every[0]
+    # the runner-up is another setting: the chosen row may be a new object (its buckets grown) of a candidate
+    second = next((c for c in every if (c.profile, c.setting) != (chosen.profile, chosen.setting)), None) \
+        if chosen is not None else None
+    if second is not None:
         if machine is not None and second.step_s and chosen.step_s:
             why = (f"predicted {second.step_s:.3g} s/step against {chosen.step_s:.3g} "
                    f"({second.step_s / chosen.step_s:.2f}x slower)")

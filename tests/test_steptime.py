@@ -111,6 +111,7 @@ def test_the_search_picks_the_fastest_setting_that_fits():
     times = [x["step_s"] for x in p.candidates]
     assert times == sorted(times) and c.step_s == times[0]
     assert len(p.candidates) >= 2 and p.runner_up and "slower" in p.runner_up["why"]
+    assert (p.runner_up["profile"], p.runner_up["setting"]) != (c.profile, c.setting)
     # the choice is one of: a smaller micro-batch without checkpointing, or micro-batch 8 with some checkpointing
     assert (c.micro_batch == 8 and c.checkpointing) or (c.micro_batch < 8 and not c.checkpointing)
     assert "s/step" in p.reason and c.eta_s == pytest.approx(c.step_s * 200)
@@ -161,3 +162,17 @@ def test_config_reference_keys():
     cfg = load_config(None, [])
     assert cfg.model.gradient_checkpointing == "auto" and cfg.model.checkpoint_every == 1
     assert dataclasses.replace(cfg.model, checkpoint_every=3).checkpoint_every == 3
+
+
+def test_the_runner_up_is_another_setting_when_the_buckets_grow():
+    """A one-rank DeepSpeed row is planned again with larger buckets (a new row object): the runner-up is
+    still another setting, not the chosen one as it was before its buckets grew."""
+    hw = fake_hw(capability=(8, 0))
+    rows = [planner.plan(tiny_cfg("memory.gpu_budget=40", "profile=zero2-bf16", f"model.gradient_checkpointing={ck}"),
+                         hw, machine=machine()).chosen_plan for ck in ("false", "true")]
+    budget = (rows[0].gpu_bytes + rows[1].gpu_bytes) / 2 / 2**30
+    p = planner.plan(tiny_cfg(f"memory.gpu_budget={budget}", "profile=zero2-bf16"), hw, machine=machine())
+    c = p.chosen_plan
+    assert c.profile == "zero2-bf16" and c.reduce_bucket_size and c.reduce_bucket_size > 128 ** 2
+    assert len(p.candidates) >= 2 and p.runner_up
+    assert (p.runner_up["profile"], p.runner_up["setting"]) != (c.profile, c.setting)

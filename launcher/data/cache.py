@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from launcher import paths
 from launcher.config import ConfigError
 from launcher.data.files import diagnose, locate, read_records
 from launcher.data.formats import INSTRUCTION, detect_format, id_dtype, tokenize_batch
@@ -42,9 +43,7 @@ LOCATED = 20  # dropped records located per source (file and line), kept in the 
 def cache_root(cache_dir: str) -> str:
     if cache_dir != "auto":
         return os.path.abspath(os.path.expanduser(cache_dir))
-    base = os.environ.get("VRAMFIT_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vramfit")
-    return os.path.join(base, "data")
+    return os.path.join(paths.cache_root(), "data")
 
 
 def _sha(obj) -> str:

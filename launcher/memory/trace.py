@@ -240,13 +240,30 @@ _aten = torch.ops.aten
 _NO_KERNEL = {_aten.empty, _aten.empty_like, _aten.empty_strided, _aten.new_empty, _aten.new_empty_strided}
 
 
+def _tensors(x, acc: list | None = None) -> list:
+    """The tensors in ``x`` (tensors, lists, tuples and dicts of them, nested), in order: what
+    ``tree_leaves`` filtered to tensors gives for an op's arguments and results, without pytree's generic
+    node handling, which was a fifth of a trace's time (every op of the step passes through it twice)."""
+    if acc is None:
+        acc = []
+    if isinstance(x, torch.Tensor):
+        acc.append(x)
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            _tensors(y, acc)
+    elif isinstance(x, dict):
+        for y in x.values():
+            _tensors(y, acc)
+    return acc
+
+
 def _nbytes(ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
 def _op_key(func, args, kwargs, out, outs) -> OpKey:
     packet = func.overloadpacket
-    ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    ins = _tensors((args, kwargs))
     dtype = str((ins or outs)[0].dtype).replace("torch.", "") if (ins or outs) else ""
     if packet in flop_registry:
         try:
@@ -307,7 +324,7 @@ class _Tracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        outs = _tensors(out)
         for t in outs:
             self.track(t)
         if func.overloadpacket not in _NO_KERNEL:
@@ -758,6 +775,15 @@ def trace_depth(config, depth: int, s: TraceSettings, trust_remote_code: bool = 
 
 
 _TRACES: dict = {}
+# A store that keeps traces between processes (``get(key)``, ``put(key, trace)``; :mod:`launcher.tracestore`),
+# set by the command line; None: this module does no I/O, as the planner's tests and library callers expect.
+_STORE = None
+
+
+def set_store(store) -> None:
+    """Keep :func:`trace_at`'s traces in ``store`` too (None: in this process only)."""
+    global _STORE
+    _STORE = store
 
 
 def trace_at(config, depth: int, s: TraceSettings, trust_remote_code: bool = False, exact: bool = True) -> StepTrace:
@@ -773,17 +799,22 @@ def trace_at(config, depth: int, s: TraceSettings, trust_remote_code: bool = Fal
     key = (config_key(config), depth, s, trust_remote_code, exact or s.batch_size <= 3)
     if key in _TRACES:
         return _TRACES[key]
+    if _STORE is not None and (kept := _STORE.get(key)) is not None:
+        _TRACES[key] = kept
+        return kept
     if s.batch_size > 3 and not exact:
         two = trace_at(config, depth, dataclasses.replace(s, batch_size=2), trust_remote_code, exact)
         three = trace_at(config, depth, dataclasses.replace(s, batch_size=3), trust_remote_code, exact)
-        out = _batch_extrapolate(two, three, s.batch_size)
+        out, traced = _batch_extrapolate(two, three, s.batch_size), False
         if out is None:  # the op sequences differ: trace it
-            out = trace_depth(config, depth, s, trust_remote_code)
+            out, traced = trace_depth(config, depth, s, trust_remote_code), True
     else:
-        out = trace_depth(config, depth, s, trust_remote_code)
+        out, traced = trace_depth(config, depth, s, trust_remote_code), True
     if len(_TRACES) > 256:
         _TRACES.clear()
     _TRACES[key] = out
+    if traced and _STORE is not None:  # an extrapolation is cheap: only traces are kept
+        _STORE.put(key, out)
     return out
 
 

@@ -1,0 +1,126 @@
+"""The planner's traces kept on disk, so that planning a model again costs no tracing.
+
+Planning a large model is mostly tracing: each setting the search prices (precision, micro-batch 2 and 3,
+checkpointing, chunked loss, activation offload, attention kernel) is a forward and backward of a few
+decoder layers on the meta device, a fifth of a second each for a 7B Llama, and ``vramfit plan
+--compare-gpus`` needs a hundred and more. A trace depends only on its key (the model config, the depth, the
+trace settings) and on the code that made it, so :class:`TraceStore` keeps each one in a gzip'd JSON file
+under ``cache_root()/traces``, named by a hash of the key and of everything that could change the result:
+vramfit's own source, torch's, transformers' and peft's versions. A later ``plan``, ``train``, ``tune`` or
+``bench`` of the same model reads them back (about a millisecond each). A file that does not read back, or
+holds another key, is ignored and replaced; a cache that cannot be written never stops a plan.
+``VRAMFIT_TRACE_CACHE=off`` turns it off. The oldest files go when there are more than ``MAX_FILES``.
+
+The store is installed by the command line (:func:`install`); :mod:`launcher.memory.trace` itself does no I/O.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gzip
+import hashlib
+import json
+import os
+import tempfile
+from collections import Counter
+from importlib import metadata
+
+from launcher.memory import trace
+from launcher.memory.trace import StepTrace
+from launcher.paths import cache_root
+
+FORMAT = 1  # bump when the file's layout changes
+MAX_FILES = 4000  # about 15 KB each: tens of MB at most
+_FIELDS = [f.name for f in dataclasses.fields(StepTrace) if f.name != "ops"]  # ops is op_list counted
+
+
+def code_version() -> str:
+    """A hash of vramfit's source and the versions of the libraries a trace runs through."""
+    h = hashlib.sha256(f"format {FORMAT}".encode())
+    for dist in ("torch", "transformers", "peft"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            h.update(f"{dist} {metadata.version(dist)}".encode())
+    root = os.path.dirname(os.path.abspath(__file__))
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith(".py"):
+                h.update(os.path.relpath(os.path.join(folder, name), root).encode())
+                with open(os.path.join(folder, name), "rb") as fh:
+                    h.update(fh.read())
+    return h.hexdigest()
+
+
+def encode(t: StepTrace) -> dict:
+    return {name: getattr(t, name) for name in _FIELDS}
+
+
+def decode(d: dict) -> StepTrace:
+    fields = {name: d[name] for name in _FIELDS}
+    fields["op_list"] = [tuple(op) for op in fields["op_list"]]
+    return StepTrace(**fields, ops=dict(Counter(fields["op_list"])))
+
+
+class TraceStore:
+    def __init__(self, directory: str | None = None):
+        self.dir = directory or os.path.join(cache_root(), "traces")
+        self.version = code_version()
+        self.hits = self.writes = 0
+
+    def _path(self, key) -> tuple[str, str]:
+        text = repr(key)
+        return os.path.join(self.dir, hashlib.sha256(f"{self.version}\n{text}".encode()).hexdigest()[:40] + ".json.gz"), text
+
+    def get(self, key) -> StepTrace | None:
+        path, text = self._path(key)
+        try:
+            with gzip.open(path, "rt", encoding="utf-8") as fh:
+                d = json.load(fh)
+            if d.get("key") != text or d.get("version") != self.version:
+                return None
+            out = decode(d["trace"])
+        except FileNotFoundError:
+            return None
+        except (OSError, EOFError, ValueError, KeyError, TypeError):  # damaged: traced again and rewritten
+            return None
+        self.hits += 1
+        return out
+
+    def put(self, key, t: StepTrace) -> None:
+        path, text = self._path(key)
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
+            try:
+                with os.fdopen(fd, "wb") as raw, gzip.open(raw, "wt", encoding="utf-8") as fh:
+                    json.dump({"key": text, "version": self.version, "trace": encode(t)}, fh)
+                os.replace(tmp, path)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(tmp)
+            self.writes += 1
+            if self.writes % 64 == 1:
+                self.prune()
+        except OSError:  # a full or read-only cache folder: this process keeps its traces in memory
+            pass
+
+    def prune(self) -> None:
+        """Remove the oldest files beyond ``MAX_FILES`` (and temporary files of killed writers)."""
+        with contextlib.suppress(OSError):
+            entries = [e for e in os.scandir(self.dir) if e.is_file()]
+            stale = [e for e in entries if e.name.endswith(".tmp")]
+            kept = sorted((e for e in entries if e.name.endswith(".json.gz")), key=lambda e: e.stat().st_mtime)
+            for e in stale + kept[:max(0, len(kept) - MAX_FILES)]:
+                with contextlib.suppress(OSError):
+                    os.remove(e.path)
+
+
+def install() -> TraceStore | None:
+    """Keep this process's traces on disk (unless ``VRAMFIT_TRACE_CACHE=off``)."""
+    if os.environ.get("VRAMFIT_TRACE_CACHE", "").lower() in ("off", "0", "false", "no"):
+        trace.set_store(None)
+        return None
+    store = TraceStore()
+    trace.set_store(store)
+    return store

@@ -1,0 +1,86 @@
+#!/usr/bin/env python
+"""How long ``vramfit plan --compare-gpus`` takes, with the trace cache empty and then filled.
+
+    python scripts/bench_plan_time.py [--repeats 2] [--out DIR] [-- key=value ...]
+
+Default job: llama-7b, LoRA r=16, sequence 512, 32 GiB of host RAM, every GPU of the catalogue. Each run is
+its own process (``python -m launcher plan ... --compare-gpus``) with ``VRAMFIT_CACHE`` pointing at a fresh
+folder that holds this machine's calibration (copied, so nothing is measured again) and, for the warm runs,
+the traces the cold run kept. Prints the wall times, the number of traces kept and their size; writes
+OUT/plan_time.json and OUT/plan_time.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from launcher.paths import cache_root  # noqa: E402
+
+JOB = ["model.name=llama-7b", "lora.r=16", "data.seq_len=512", "memory.cpu_budget=32"]
+
+
+def run(cache: str, job: list[str]) -> tuple[float, str]:
+    env = dict(os.environ, VRAMFIT_CACHE=cache)
+    env.pop("VRAMFIT_TRACE_CACHE", None)
+    t = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "launcher", "plan", *job, "--compare-gpus"], cwd=ROOT, env=env,
+                       capture_output=True, text=True)
+    dt = time.perf_counter() - t
+    if p.returncode:
+        raise SystemExit(f"plan failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    return dt, p.stdout
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=2, help="cold and warm runs each (cold: an empty trace cache)")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args()
+    job = a.overrides or JOB
+    machines = glob.glob(os.path.join(cache_root(), "machine-*.json"))
+    if not machines:
+        raise SystemExit("no calibration of this machine: run `vramfit doctor --calibrate` first")
+    cold, warm, traces, size, table = [], [], 0, 0, ""
+    for _ in range(a.repeats):
+        with tempfile.TemporaryDirectory() as cache:
+            for m in machines:
+                shutil.copy(m, cache)
+            dt, table = run(cache, job)
+            cold.append(dt)
+            files = glob.glob(os.path.join(cache, "traces", "*.json.gz"))
+            traces, size = len(files), sum(os.path.getsize(f) for f in files)
+            dt, again = run(cache, job)
+            warm.append(dt)
+            if again != table:
+                raise SystemExit("the plan read from kept traces differs from the traced one")
+    result = {"job": job, "cold_s": cold, "warm_s": warm, "cold_median_s": statistics.median(cold),
+              "warm_median_s": statistics.median(warm), "traces_kept": traces, "trace_bytes": size,
+              "cpus": os.cpu_count(), "load_average": list(os.getloadavg())}
+    md = (f"`vramfit plan {' '.join(job)} --compare-gpus`, {os.cpu_count()} CPUs, each run its own process\n\n"
+          f"| trace cache | wall s (each run) | median |\n| --- | --- | --- |\n"
+          f"| empty | {', '.join(f'{x:.1f}' for x in cold)} | {result['cold_median_s']:.1f} |\n"
+          f"| filled by the run before | {', '.join(f'{x:.1f}' for x in warm)} | {result['warm_median_s']:.1f} |\n\n"
+          f"traces kept: {traces} files, {size / 2**20:.2f} MiB\n\n```\n{table}```\n")
+    print(md)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        json.dump(result, open(os.path.join(a.out, "plan_time.json"), "w"), indent=2)
+        open(os.path.join(a.out, "plan_time.md"), "w").write(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""The planner's traces kept on disk (launcher/tracestore.py): read back equal, never trusted when damaged or
+made by other code, and a second `vramfit plan` of the same model traces nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import os
+
+import torch
+from transformers import LlamaConfig
+
+from helpers import run_cli
+from launcher import tracestore
+from launcher.memory import trace
+from launcher.memory.trace import TraceSettings, trace_at
+
+CFG = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=64)
+S = TraceSettings(batch_size=2, seq_len=16, target="cpu", gradient_checkpointing=True, lora_r=4,
+                  autocast_dtype=torch.bfloat16)
+
+
+def same(a, b) -> bool:
+    """Equal but for the time the trace took."""
+    return dataclasses.replace(a, seconds=0.0) == dataclasses.replace(b, seconds=0.0)
+
+
+def fresh(store):
+    trace._TRACES.clear()
+    trace._META_MODELS.clear()  # each trace on a model built for it, as in a new process
+    trace.set_store(store)
+
+
+def test_a_kept_trace_reads_back_equal(tmp_path):
+    store = tracestore.TraceStore(str(tmp_path))
+    try:
+        fresh(store)
+        made = trace_at(CFG, 2, S)
+        assert store.writes == 1 and len(os.listdir(tmp_path)) == 1
+        again = tracestore.TraceStore(str(tmp_path))
+        fresh(again)
+        kept = trace_at(CFG, 2, S)
+        assert again.hits == 1 and again.writes == 0
+        assert kept is not made and kept == made  # every field, the op list and its counts included
+        assert kept.peak == made.peak and kept.op_list[0] == made.op_list[0] and isinstance(kept.op_list[0], tuple)
+    finally:
+        fresh(None)
+
+
+def test_damaged_or_foreign_files_are_traced_again(tmp_path):
+    store = tracestore.TraceStore(str(tmp_path))
+    try:
+        fresh(store)
+        made = trace_at(CFG, 2, S)
+        (path,) = [tmp_path / n for n in os.listdir(tmp_path)]
+        path.write_bytes(path.read_bytes()[:40])  # truncated
+        again = tracestore.TraceStore(str(tmp_path))
+        fresh(again)
+        retraced = trace_at(CFG, 2, S)
+        assert again.hits == 0 and again.writes == 1 and retraced.op_list == made.op_list  # traced, rewritten
+        third = tracestore.TraceStore(str(tmp_path))
+        fresh(third)
+        assert same(trace_at(CFG, 2, S), retraced) and third.hits == 1
+        with gzip.open(path, "rt") as fh:
+            assert '"key"' in fh.read(200)
+        other = tracestore.TraceStore(str(tmp_path))
+        other.version = "another vramfit"  # its file names differ, and a file of the same name is not trusted
+        fresh(other)
+        trace_at(CFG, 2, S)
+        assert other.hits == 0 and len(os.listdir(tmp_path)) == 2
+    finally:
+        fresh(None)
+
+
+def test_unwritable_cache_never_stops_a_plan(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    store = tracestore.TraceStore(str(blocker / "traces"))
+    try:
+        fresh(store)
+        assert trace_at(CFG, 2, S).peak > 0 and store.writes == 0
+    finally:
+        fresh(None)
+
+
+def test_second_plan_traces_nothing(tmp_path):
+    env = {"VRAMFIT_CACHE": str(tmp_path / "cache")}
+    args = ("plan", "model.name=tiny", "device=cpu", "data.seq_len=64", "--json")
+    first = run_cli(*args, env=env)
+    assert first.returncode == 0, first.stderr[-2000:]
+    folder = tmp_path / "cache" / "traces"
+    files = {n: os.stat(folder / n).st_mtime_ns for n in os.listdir(folder)}
+    assert files
+    second = run_cli(*args, env=env)
+    assert second.returncode == 0, second.stderr[-2000:]
+    a, b = json.loads(first.stdout), json.loads(second.stdout)
+    assert a["chosen"] == b["chosen"]
+    assert [(r["profile"], r["gpu_bytes"], r["cpu_bytes"]) for r in a["profiles"]] == [
+        (r["profile"], r["gpu_bytes"], r["cpu_bytes"]) for r in b["profiles"]]
+    assert {n: os.stat(folder / n).st_mtime_ns for n in os.listdir(folder)} == files  # read, not rewritten
+    off = run_cli(*args, env={**env, "VRAMFIT_CACHE": str(tmp_path / "off"), "VRAMFIT_TRACE_CACHE": "off"})
+    assert off.returncode == 0 and not (tmp_path / "off" / "traces").exists()
