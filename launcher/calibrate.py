@@ -73,9 +73,21 @@ from dataclasses import dataclass, field
 
 import torch
 
+from launcher import engines, planner
+from launcher.availability import profile_problem
+from launcher.config import load_config
+from launcher.engines.deepspeed import restore_torch_functions
+from launcher.hardware import deepspeed_status, op_state, pin_memory_ok, probe, use_env_ninja
 from launcher.log import logger
+from launcher.memory.shape import count_params
+from launcher.memory.states import RunShape
+from launcher.memory.trace import measure_step
+from launcher.models import weight_dtype
 from launcher.paths import cache_root
-from launcher.steptime import Machine, Rates
+from launcher.precision import supports_bf16, supports_fp16
+from launcher.profiles import PROFILES
+from launcher.resolve import RunSpec
+from launcher.steptime import Machine, Rates, op_seconds, predict
 
 FORMAT = 1  # of the cache file; another value is measured again
 MiB = 1 << 20
@@ -144,7 +156,6 @@ def cpu_model() -> str:
 
 def machine_key() -> dict:
     """What the numbers depend on: a calibration taken with another value of any of these is not used."""
-    from launcher.hardware import deepspeed_status
 
     key = {"device": "cpu", "driver": None, "cuda": torch.version.cuda, "cpu": cpu_model(),
            "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -361,7 +372,6 @@ def _nonneg_lstsq(rows: list[list[float]], ys: list[float]) -> list[float]:
 
 def _dtypes(device: torch.device) -> list[torch.dtype]:
     if device.type == "cuda":
-        from launcher.precision import supports_bf16, supports_fp16
 
         cap = torch.cuda.get_device_capability(device)
         return [torch.float32] + ([torch.bfloat16] if supports_bf16(cap) else []) + (
@@ -480,8 +490,6 @@ def _view_cost(device: torch.device, s: Sizes, raw: dict) -> float:
 
 
 def _op_cost(device: torch.device, work_rates: Rates, view_s: float, s: Sizes, raw: dict, skipped: dict) -> float:
-    from launcher.memory.trace import measure_step
-    from launcher.steptime import op_seconds
 
     rows = []
     for depth in s.step_depths:
@@ -555,7 +563,6 @@ def _copies(gpu: bool, s: Sizes, raw: dict, skipped: dict) -> tuple[dict, dict]:
         raw["copy"] = {"host": {"bytes": 4 * n, "best_s": best, "median_s": median}}
         rate = 4 * n / best
         return {"pinned": rate, "pageable": rate}, {"pinned": rate, "pageable": rate}
-    from launcher.hardware import pin_memory_ok, probe
 
     dev = torch.empty(n, device="cuda")
     h2d, d2h = {}, {}
@@ -577,7 +584,6 @@ def _op_built(name: str) -> str | None:
     """None when DeepSpeed's op ``name`` loads without compiling (installed with DeepSpeed, or JIT-built and up
     to date for the ninja runs use); else why not. Loading an unbuilt op compiles it, minutes: calibration
     never does that."""
-    from launcher.hardware import op_state, use_env_ninja
 
     try:
         st = op_state(name, use_env_ninja())
@@ -592,7 +598,6 @@ def _op_built(name: str) -> str | None:
 def optimizer_factories(gpu: bool, deepspeed: bool = True) -> list[tuple[str, str, object, str | None]]:
     """(key in Machine.optimizers, device, factory(params) or None, why not) for each optimizer a profile
     can step with here (keys as :func:`launcher.steptime.optimizer_kind` names them)."""
-    from launcher.hardware import deepspeed_status
 
     kw = dict(lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     out = [("torch_fused_adamw@cpu", "cpu", lambda ps: torch.optim.AdamW(ps, fused=True, **kw), None)]
@@ -688,7 +693,6 @@ def _disk(output_dir: str, s: Sizes, raw: dict, skipped: dict) -> float | None:
 def profile_for(fam: str, gpu_bf16: bool | None):
     """The catalogue profile that stands for engine family ``fam``: fp32 where the CPU has one, else bf16
     (fp16 on a GPU without bf16). ``gpu_bf16``: None on a CPU-only machine."""
-    from launcher.profiles import PROFILES
 
     cpu = gpu_bf16 is None
     p16 = "bf16" if cpu or gpu_bf16 else "fp16"
@@ -698,7 +702,6 @@ def profile_for(fam: str, gpu_bf16: bool | None):
 
 
 def _engine_problem(p, cfg, hw, device) -> str | None:
-    from launcher.availability import profile_problem
 
     problem = profile_problem(p, cfg, hw, device)
     if problem or p.engine != "deepspeed":
@@ -716,10 +719,6 @@ def _engine_problem(p, cfg, hw, device) -> str | None:
 def _predicted(p, machine: Machine, depth: int, device: torch.device, pinned: bool):
     """(per micro-batch, per step) seconds the step-time model gives the tiny model at ``depth`` without any
     engine fixed cost, from the planner's own trace of it, and its parameter tensors."""
-    from launcher import planner
-    from launcher.memory.shape import count_params
-    from launcher.memory.states import RunShape
-    from launcher.steptime import predict
 
     config = _tiny_config(depth)
     counts = count_params(config)
@@ -737,10 +736,6 @@ def _predicted(p, machine: Machine, depth: int, device: torch.device, pinned: bo
 def _time_engine(p, cfg, hw, device: torch.device, depth: int, s: Sizes) -> dict:
     """Build the engine of ``p`` around the tiny model once and time ``s.engine_steps`` optimizer steps of
     two micro-batches each, call by call, after one warm-up step."""
-    from launcher import engines
-    from launcher.hardware import pin_memory_ok
-    from launcher.models import weight_dtype
-    from launcher.resolve import RunSpec
 
     spec = RunSpec(device=device, precision=p.precision, profile=p, micro_batch=1, accumulation=2, world=1,
                    checkpointing=False)
@@ -775,9 +770,6 @@ def _time_engine(p, cfg, hw, device: torch.device, depth: int, s: Sizes) -> dict
 
 
 def _engines(machine: Machine, device: torch.device, s: Sizes, raw: dict, skipped: dict) -> dict:
-    from launcher.config import load_config
-    from launcher.engines.deepspeed import restore_torch_functions
-    from launcher.hardware import probe
 
     cfg = load_config(None, [f"device={device.type}"])
     hw = probe()
@@ -822,7 +814,6 @@ def _engines(machine: Machine, device: torch.device, s: Sizes, raw: dict, skippe
 
 def calibrate(sizes: Sizes | None = None, output_dir: str | None = None) -> Machine:
     """Measure this machine now (see the module docstring); nothing is cached here."""
-    from launcher.config import load_config
 
     s = sizes or (Sizes.quick() if os.environ.get("VRAMFIT_CALIBRATE_QUICK") else Sizes())
     start = time.perf_counter()
@@ -853,7 +844,7 @@ def calibrate(sizes: Sizes | None = None, output_dir: str | None = None) -> Mach
     name = f"{torch.cuda.get_device_name(0)}, host {cpu}" if gpu else cpu
     machine = Machine(name=name, source="", compute=compute, host=host, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
                       optimizers=optimizers, threads=threads)
-    engines = part("engines", lambda: _engines(machine, device, s, raw, skipped))
+    engine_costs = part("engines", lambda: _engines(machine, device, s, raw, skipped))
     out_dir = output_dir or load_config(None, []).output_dir
     disk = part("disk", lambda: _disk(out_dir, s, raw, skipped))
     versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
@@ -870,7 +861,7 @@ def calibrate(sizes: Sizes | None = None, output_dir: str | None = None) -> Mach
                 "load_average_after": [round(x, 2) for x in os.getloadavg()], "cores": cores, "versions": versions,
                 "key": machine_key(), "sizes": dataclasses.asdict(s), "skipped": skipped, "samples": raw}
     logger.info(f"calibrate: {name} measured in {measured['seconds']:.0f} s")
-    return dataclasses.replace(machine, engines=engines, disk_write_bytes_per_s=disk, measured=measured,
+    return dataclasses.replace(machine, engines=engine_costs, disk_write_bytes_per_s=disk, measured=measured,
                                source=f"calibrated {_date(now)} on {name}")
 
 
