@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from launcher import bench, calibrate, planner  # noqa: E402
 from launcher.config import load_config  # noqa: E402
 from launcher.hardware import probe  # noqa: E402
+from launcher.profiles import PROFILES  # noqa: E402
 
 # (name, model, seq_len, global batch, micro-batch, checkpointing: off | every2 | all, profile)
 GRID = [
@@ -94,8 +95,9 @@ def run_grid(points, out: str, steps: int, warmup: int, machine, hw) -> list[dic
 def run_choices(out: str, steps: int, warmup: int, machine, hw) -> list[dict]:
     res = []
     for label, model, seq, gbs, profiles in CHOICES:
+        precision = PROFILES[profiles[0]].precision  # the workload's precision: the plan offers only its profiles
         cfg = load_config(None, [f"model.name={model}", f"data.seq_len={seq}", f"train.global_batch_size={gbs}",
-                                 "train.micro_batch_size=auto", "device=cpu"])
+                                 "train.micro_batch_size=auto", "device=cpu", f"precision={precision}"])
         plan = planner.plan(cfg, hw, profiles, machine=machine)
         cands = plan.candidates
         measured = []
