@@ -87,11 +87,11 @@ def test_parity_bf16_fsdp_vs_amp(runs):
 @needs_deepspeed
 def test_parity_bf16_fsdp_vs_deepspeed_offload(runs):
     """Both offload paths keep fp32 masters and Adam moments on the CPU and compute in bf16; DeepSpeed's step
-    is DeepSpeedCPUAdam, FSDP's is torch's fused AdamW. Same bound as against AMP (measured over 24 steps:
+    is torch's fused AdamW as DeepSpeed's client optimizer (on the CPU masters), FSDP's the same. Same bound as against AMP (measured over 24 steps:
     1e-3 max, 2e-4 mean)."""
     d, rd = runs("zero2-bf16-offload", "profile=zero2-bf16-offload-opt", *BF16)
     _, rf = runs("fsdp-bf16", "profile=fsdp-bf16-offload", *BF16)
-    assert d["optimizer"] == "DeepSpeedCPUAdam"  # DeepSpeed's own choice for offload, as summary.json says
+    assert d["optimizer"] == "torch.optim.AdamW(fused=True)"  # no op to build, as summary.json says
     mx, mean = compare(losses(rf), losses(rd), "fsdp-bf16-offload vs zero2-bf16-offload-opt")
     assert mx < 1e-2 and mean < 5e-3
 

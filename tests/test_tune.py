@@ -22,7 +22,7 @@ def calibrated(tmp_path_factory):
 
 
 def test_plan_for_a_gpu_that_is_not_here(calibrated):
-    r = run_cli("plan", "model.name=llama-1b", "lora.r=16", "data.seq_len=512", "memory.cpu_budget=32", "--gpu", "T4",
+    r = run_cli("plan", "model.name=tiny", "lora.r=16", "data.seq_len=256", "memory.cpu_budget=32", "--gpu", "T4",
                 "--json", env=calibrated)
     assert r.returncode == 0, r.stderr[-2000:]
     plan = json.loads(r.stdout)
@@ -34,7 +34,7 @@ def test_plan_for_a_gpu_that_is_not_here(calibrated):
 
 
 def test_compare_gpus_with_prices(calibrated):
-    r = run_cli("plan", "model.name=llama-1b", "lora.r=16", "data.seq_len=512", "memory.cpu_budget=32",
+    r = run_cli("plan", "model.name=tiny", "lora.r=16", "data.seq_len=256", "memory.cpu_budget=32",
                 "--compare-gpus", "--price", "T4=0.35,L4=0.80", env=calibrated)
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.splitlines()
