@@ -249,6 +249,7 @@ def test_fewer_samples_than_one_global_batch(model_dir, tmp_path):
 # ---- from the command line
 
 
+@pytest.mark.slow
 def test_mixture_and_cache_from_the_command_line(model_dir, tmp_path):
     from helpers import run_cli
 
@@ -270,6 +271,7 @@ def test_mixture_and_cache_from_the_command_line(model_dir, tmp_path):
     assert r.returncode == 0 and r.stderr.count("reusing the tokenized cache") == 2, r.stderr
 
 
+@pytest.mark.slow
 def test_plan_reads_the_data_format_from_the_command_line(model_dir, tmp_path):
     from helpers import run_cli
 

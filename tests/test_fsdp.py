@@ -87,8 +87,8 @@ def test_parity_bf16_fsdp_vs_amp(runs):
 @needs_deepspeed
 def test_parity_bf16_fsdp_vs_deepspeed_offload(runs):
     """Both offload paths keep fp32 masters and Adam moments on the CPU and compute in bf16; DeepSpeed's step
-    is torch's fused AdamW as DeepSpeed's client optimizer (on the CPU masters), FSDP's the same. Same bound as against AMP (measured over 24 steps:
-    1e-3 max, 2e-4 mean)."""
+    is torch's fused AdamW as DeepSpeed's client optimizer on the CPU masters, FSDP's the same. Same bound as
+    against AMP (measured over 24 steps: 1e-3 max, 2e-4 mean)."""
     d, rd = runs("zero2-bf16-offload", "profile=zero2-bf16-offload-opt", *BF16)
     _, rf = runs("fsdp-bf16", "profile=fsdp-bf16-offload", *BF16)
     assert d["optimizer"] == "torch.optim.AdamW(fused=True)"  # no op to build, as summary.json says

@@ -57,6 +57,7 @@ def test_bad_gpu_and_price_input(args, message):
     assert message in r.stderr and "fix:" in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 def test_tune_measures_the_top_settings_and_keeps_the_fastest(tmp_path, calibrated):
     out = tmp_path / "tuned.yaml"
     args = [a for a in FAST if not a.startswith("train.micro_batch_size")]
