@@ -110,6 +110,7 @@ def test_bench_two_profiles_on_cpu(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_bench_find_micro_batch_on_cpu(tmp_path):
     """On a CPU, --find has the measured RSS against memory.cpu_budget: a generous budget fits the largest."""
     out = str(tmp_path / "find")

@@ -248,6 +248,7 @@ def test_resumed_packed_run_matches_uninterrupted(llama, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_two_ranks_packed_match_one_rank(llama, tmp_path):
     """Each rank packs its half of a step; the loss is still the mean over the whole step's tokens in the loss."""
     from test_multirank import torchrun

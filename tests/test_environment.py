@@ -21,7 +21,7 @@ def broken_deepspeed(tmp_path):
     return {"PYTHONPATH": str(tmp_path / "broken") + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
-@pytest.mark.parametrize("engine", ["auto", "fsdp"])
+@pytest.mark.parametrize("engine", ["auto", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_broken_deepspeed_is_absent_deepspeed(tmp_path, broken_deepspeed, engine):
     """engine=auto trains on AMP and engine=fsdp on FSDP; saving final/ (transformers unwraps the model through
     accelerate, which imports deepspeed whenever it is found) must not touch the broken install."""

@@ -232,6 +232,7 @@ def torchrun(nproc: int, script: str, *overrides, timeout: int = 600) -> subproc
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_two_ranks_match_one_rank(runs, tmp_path):
     """2 ranks (gloo) x micro-batch 1 x accumulation 2 shard every parameter, gradient and Adam moment in two
     and see half of each global batch: the math is that of 1 rank x micro-batch 2 x accumulation 2, so fp32

@@ -264,7 +264,8 @@ def test_liger_on_the_cpu_stops_before_the_run_directory(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["amp", pytest.param("fsdp", marks=pytest.mark.extended)])
+@pytest.mark.extended
+@pytest.mark.parametrize("engine", ["amp", "fsdp"])
 def test_compiled_layers_train_like_plain_ones(tmp_path, engine):
     """model.compile=true on the CPU (inductor, about a minute of compilation on 2 cores): the same loss curve as
     the uncompiled model within 1e-3 relative (fused kernels reorder float arithmetic)."""

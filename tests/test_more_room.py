@@ -198,6 +198,7 @@ def test_real_cpu_run_saves_what_the_plan_says_at_a_128k_vocabulary():
 # Training: every engine, the plain curve
 
 
+@pytest.mark.slow
 def test_chunked_loss_trains_like_the_plain_loss_amp_and_zero2(tmp_path):
     cases = [("amp-fp32", [])]
     from helpers import has_deepspeed
@@ -225,6 +226,7 @@ def test_chunked_loss_trains_like_the_plain_loss_zero3_and_fsdp(tmp_path, profil
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_chunked_loss_with_qlora(tmp_path):
     pytest.importorskip("bitsandbytes")
     base = [*QUIET, "lora.r=8", "model.quantize=4bit", "precision=bf16", "engine=amp"]

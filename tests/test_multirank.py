@@ -41,7 +41,7 @@ def rows_of(run_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("profile", [pytest.param("zero2-fp32", marks=needs_deepspeed), "amp-fp32"])
+@pytest.mark.parametrize("profile", [pytest.param("zero2-fp32", marks=[needs_deepspeed, pytest.mark.extended]), "amp-fp32"])
 def test_two_ranks_match_one_rank_and_resume(tmp_path, profile):
     """2 ranks x micro-batch 1 == 1 rank x micro-batch 2 (fp32, 1e-5 relative); the run directory is written
     once; a checkpoint written by 2 ranks resumes on 2 ranks and completes the same curve."""
