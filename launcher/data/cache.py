@@ -298,10 +298,12 @@ def _build(src: Source, st: Settings, tokenizer, parent: str, final: str, tok_ke
         fmt = detect_format(st.format, list(raw.column_names), src.label, st.text_field, st.prompt_field,
                             st.response_field)
         nproc = num_proc_for(num_proc, len(raw))
-        feats = {"input_ids": datasets.List(datasets.Value(id_dtype(len(tokenizer)))), "drop": datasets.Value("int8"),
+        # a variable-length list column: datasets >= 4 calls it List, older ones (the floor, 2.20) Sequence
+        seq = getattr(datasets, "List", None) or datasets.Sequence
+        feats = {"input_ids": seq(datasets.Value(id_dtype(len(tokenizer)))), "drop": datasets.Value("int8"),
                  "max_id": datasets.Value("int64")}
         if fmt in INSTRUCTION:
-            feats.update(trained=datasets.List(datasets.Value("bool")), first_trained=datasets.Value("int32"))
+            feats.update(trained=seq(datasets.Value("bool")), first_trained=datasets.Value("int32"))
         if nproc > 1:
             # Workers forked from a process whose tokenizer already ran batches would each print a warning and
             # fall back to one thread; the processes are the parallelism here.
