@@ -60,6 +60,7 @@ def test_json_commands_print_json_alone(command):
     json.loads(r.stdout)  # raises on anything before or after the document
 
 
+@pytest.mark.slow
 def test_a_short_run_works_with_the_default_warmup(tmp_path):
     """train.max_steps=8 alone: the warmup follows the run's length (auto = 10% of it)."""
     r = run_cli("train", "train.max_steps=8", "engine=amp", f"output_dir={tmp_path}", "run_name=s", "sample_tokens=0",

@@ -282,6 +282,7 @@ def test_auto_picks_fsdp_when_deepspeed_missing_and_offload_needed():
     assert "engine fsdp, not DeepSpeed: DeepSpeed is not installed" in text, text
 
 
+@pytest.mark.slow
 def test_fsdp_trains_with_deepspeed_unimportable(tmp_path, no_deepspeed_path):
     """The FSDP engine never imports DeepSpeed: with DeepSpeed unimportable (as if not installed) it trains,
     and summary.json says which engine, optimizer and why."""

@@ -299,6 +299,7 @@ def test_planner_moves_offloaded_activations_to_the_cpu_and_picks_offload_last(t
 # Paged 8-bit AdamW
 
 
+@pytest.mark.slow
 def test_paged_adamw8bit_needs_cuda_and_says_so(tmp_path):
     with pytest.raises(ConfigError, match="paged_adamw8bit.*CUDA.*fix: train.optimizer=adamw8bit"):
         run_inprocess(tmp_path, "train.optimizer=paged_adamw8bit", "lora.r=8")

@@ -106,6 +106,7 @@ train(cfg, hooks=Hooks(during_save=during_save))
 """
 
 
+@pytest.mark.slow
 def test_sigkill_while_writing_checkpoint_resumes_from_previous(tmp_path):
     overrides = [*FAST, *STEPS, "engine=amp", "device=cpu", f"output_dir={tmp_path}", "run_name=k"]
     r = subprocess.run([sys.executable, "-c", KILL_SCRIPT.format(root=ROOT, overrides=overrides)],
