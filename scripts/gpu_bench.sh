@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The benchmark set for a GPU host, in under 8 minutes: GPU tests, planner validation, `vramfit bench` on
+# The benchmark set for a GPU host, in under 8 minutes: GPU tests, planner validation, step-time validation
+# (predicted against measured, on the card and at the 16 and 24 GB caps), `vramfit bench` on
 # the real card and with the budget capped at a T4 (16 GB) and an RTX 3090 (24 GB), and two targets:
 #  (a) optimizer offload vs no offload, each at its largest micro-batch and at the same micro-batch
 #      (llama-350m, seq 512, full fine-tune, 16 GB cap), as tokens/s ratios;
@@ -10,6 +11,7 @@
 #   bash scripts/gpu_bench.sh                 # on the GPU host
 #   bash scripts/gpu_bench.sh --cpu-smoke     # or DEVICE=cpu: the same stages, shrunk, on a CPU (proves the script)
 #   STAGES="find_mb find_model" bash scripts/gpu_bench.sh   # a subset (names below); TOTAL_S=470: the time box
+#   STAGES="doctor ops steptime" bash scripts/gpu_bench.sh  # the step-time validation alone
 #
 # Every stage runs under `timeout`, and a deadline for the whole script (TOTAL_S, default 470 s) shortens
 # or skips the later stages, so a hung stage cannot eat the budget; `vramfit bench` rewrites its results
@@ -28,7 +30,7 @@ SMOKE=0
 for a in "$@"; do
   case "$a" in
     --cpu-smoke) SMOKE=1 ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "gpu_bench: unknown argument $a (try --help)"; exit 2 ;;
   esac
 done
@@ -42,7 +44,7 @@ if [ "$SMOKE" = 1 ]; then OUT=${OUT:-bench-out/cpu-smoke-$STAMP}; else OUT=${OUT
 mkdir -p "$OUT"
 # the time box; a CPU smoke run on a small shared box is slower, so its stage caps stretch (CAPX)
 if [ "$SMOKE" = 1 ]; then TOTAL_S=${TOTAL_S:-1500}; CAPX=${CAPX:-3}; else TOTAL_S=${TOTAL_S:-470}; CAPX=${CAPX:-1}; fi
-STAGES=${STAGES:-"doctor ops tests card find_mb equal_mb find_model card_24gb validate monitor"}
+STAGES=${STAGES:-"doctor ops tests card steptime find_mb equal_mb find_model card_24gb validate monitor"}
 DEADLINE=$((SECONDS + TOTAL_S))
 RESERVE=15  # seconds kept for the final table
 printf 'stage\tstatus\tseconds\tcap\n' > "$OUT/stages.tsv"
@@ -58,6 +60,7 @@ if [ "$SMOKE" = 1 ]; then
   MODELS_B=tiny,llama-125m; PROFILES_B=amp-fp32,zero2-fp32
   STEPS="--steps 2 --warmup 1"; SMALL="data.num_samples=64 train.warmup_steps=1"
   TESTS_ARGS="-m gpu"; VALIDATE_ARGS="--cpu --quick"; RUN_TIMEOUT=240
+  STEPTIME_ARGS="--quick --steps 2 --warmup 1 --timeout $RUN_TIMEOUT"  # without a CUDA device: a line saying so
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # a shared 2-core box: no thread oversubscription
 else
   PREC=$($PY -c 'import torch; print("bf16" if torch.cuda.get_device_capability()[0] >= 8 else "fp16")' 2>/dev/null) \
@@ -70,6 +73,7 @@ else
   STEPS="--steps 3 --warmup 2"; SMALL="data.num_samples=256 train.warmup_steps=1"
   TESTS_ARGS="-m gpu"; VALIDATE_ARGS="--models llama-125m --profiles amp-$PREC,$OFF --micro-batches 4 --seq-lens 512 --checkpointing off --steps 3 --timeout 60 checkpoint.save=false"
   RUN_TIMEOUT=120
+  STEPTIME_ARGS="--steps 4 --warmup 2 --timeout $RUN_TIMEOUT"
 fi
 echo "gpu_bench: $([ "$SMOKE" = 1 ] && echo 'CPU smoke' || echo GPU) run, precision $PREC, python $PY, output $OUT, time box ${TOTAL_S}s"
 
@@ -104,6 +108,15 @@ stage tests 90 $PY -m pytest -q $TESTS_ARGS tests -p no:cacheprovider --basetemp
 if [ "$SMOKE" = 1 ]; then CARD_MODEL="model.name=tiny data.seq_len=$SEQ train.micro_batch_size=2 train.global_batch_size=4"
 else CARD_MODEL="model.name=llama-125m data.seq_len=512 train.micro_batch_size=8 train.global_batch_size=16"; fi
 stage card 120 $VF bench $CARD_MODEL $SMALL $CARD_PROFILES $STEPS --timeout $RUN_TIMEOUT --out "$OUT/card"
+# the step-time model against measured steps: scripts/validate_steptime.py's GPU grid (7 points, seq 512, llama-125m
+# to llama-1b, amp / zero2 / zero2 offload-opt / fsdp offload, checkpointing off, every 2nd layer and all; on the card
+# and at the caps above; DeepSpeed points skipped with the reason when it does not import), cheapest first and its
+# results rewritten after every point, so a stage cut short keeps what it measured. It calibrates this host first
+# (about a minute) into a cache of its own, so the stages after it run as before, unpriced; the calibration is kept
+# in OUT/steptime/calibration.json. Without a CUDA device it runs nothing and says why.
+ST_CACHE=$(mktemp -d "${TMPDIR:-/tmp}/vramfit-steptime.XXXXXX")
+stage steptime 200 env VRAMFIT_CACHE="$ST_CACHE" $PY scripts/validate_steptime.py --gpu --out "$OUT/steptime" $STEPTIME_ARGS
+rm -rf "$ST_CACHE"
 # (a) offload vs not, each at its largest micro-batch, under the 16 GB cap
 stage find_mb 130 $VF bench model.name=$MODEL_A data.seq_len=$SEQ train.micro_batch_size=1 \
   train.global_batch_size=$GB_A $SMALL $CAP16 --profiles $NOOFF,$OFF --find micro-batch $STEPS \
@@ -134,4 +147,9 @@ stage monitor 90 $PY scripts/bench_monitor.py --out "$OUT/monitor" $MON
 
 # ---- the short table, last
 $PY scripts/gpu_bench_report.py summary "$OUT" "$NOOFF" "$OFF"
+if want steptime; then  # its one line (OUT/steptime/summary.txt), also into OUT/summary.md
+  if [ -s "$OUT/steptime/summary.txt" ]; then ST_LINE=$(cat "$OUT/steptime/summary.txt")
+  else ST_LINE="step time, predicted vs measured: no result (stage steptime: $(awk -F'\t' '$1 == "steptime" {print $2}' "$OUT/stages.tsv"))"; fi
+  printf '\n%s\n' "$ST_LINE" | tee -a "$OUT/summary.md"
+fi
 echo "gpu_bench: done in ${SECONDS}s; everything is in $OUT"
