@@ -73,7 +73,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from launcher import engines, planner
+from launcher import engines, planner, stepcal
 from launcher.availability import profile_problem
 from launcher.config import load_config
 from launcher.engines.deepspeed import restore_torch_functions
@@ -89,7 +89,7 @@ from launcher.profiles import PROFILES
 from launcher.resolve import RunSpec
 from launcher.steptime import Machine, Rates, op_seconds, predict
 
-FORMAT = 1  # of the cache file; another value is measured again
+FORMAT = 2  # of the cache file; another value is measured again
 MiB = 1 << 20
 FAMILIES = ("amp", "zero2", "zero2_offload", "zero3_offload", "fsdp")  # steptime.family names measured here
 # The tiny Llama of the per-op and engine measurements: everything but the fixed costs is negligible.
@@ -125,6 +125,7 @@ class Sizes:
     families: tuple = FAMILIES
     deepspeed: bool = True  # its optimizers and engines (importing it and loading its ops: seconds)
     disk_bytes: int = 128 * MiB
+    in_step: bool = True  # a CPU's rates measured inside training steps (launcher.stepcal)
 
     @classmethod
     def quick(cls) -> Sizes:
@@ -132,7 +133,7 @@ class Sizes:
                    attention_gpu=(1, 4, 256, 64), memory_bytes=4 * MiB, memory_bytes_gpu=16 * MiB, copy_bytes=4 * MiB,
                    view_chain=16, step_depths=(1, 2), optimizer_params=256 * 1024, optimizer_params_gpu=1 * MiB,
                    optimizer_tensors=(32, 256), optimizer_steps=1, engine_depths=(1, 2), engine_steps=2,
-                   families=("amp",), deepspeed=False, disk_bytes=1 * MiB)
+                   families=("amp",), deepspeed=False, disk_bytes=1 * MiB, in_step=False)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -548,7 +549,12 @@ def measure_rates(device: torch.device, s: Sizes, raw: dict, skipped: dict) -> R
     work = Rates(device=device.type, matmul=matmul, attention=attention, memory_bytes_per_s=memory)
     view_s = _view_cost(device, s, raw)
     op_s = _op_cost(device, work, view_s, s, raw, skipped)
-    return dataclasses.replace(work, op_s=op_s, view_s=view_s)
+    rates = dataclasses.replace(work, op_s=op_s, view_s=view_s)
+    if device.type != "cpu" or not s.in_step:
+        return rates
+    found = stepcal.measure(rates, view_s, raw, skipped)
+    return dataclasses.replace(rates, matmul={**rates.matmul, **found["matmul"]},
+                               attention={**rates.attention, **found["attention"]}, step_costs=found["step_costs"])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -50,6 +50,10 @@ class Rates:
     memory_bytes_per_s: float = 1e10  # elementwise: bytes read + written per second
     op_s: float = 0.0  # fixed cost of one kernel op inside a training step
     view_s: float = 0.0  # fixed cost of one view op (no kernel)
+    # Measured inside training steps (a CPU, launcher.stepcal), per precision of the step: {'op_s': fixed cost
+    # of a kernel op, 'bytes_per_s': elementwise rate, 'micro_s': what a forward + backward pays once}; where
+    # present they replace op_s and memory_bytes_per_s.
+    step_costs: dict = field(default_factory=dict)
 
     def matmul_rate(self, dtype: str, flops: float) -> float:
         curve = self.matmul.get(dtype) or self.matmul.get("float32") or [[1.0, 1e11]]
@@ -161,23 +165,30 @@ class StepTime:
         return asdict(self)
 
 
-def op_seconds(ops: dict, rates: Rates, host_bound: bool) -> tuple[float, float]:
-    """(seconds, of which fixed per-op costs) for a traced op record (see ``memory.trace.OpKey``)."""
+def op_seconds(ops: dict, rates: Rates, host_bound: bool, precision: str | None = None) -> tuple[float, float]:
+    """(seconds, of which fixed per-op costs) for a traced op record (see ``memory.trace.OpKey``) of a step in
+    ``precision`` (its in-step costs where the rates have them)."""
     total = fixed = 0.0
+    costs = rates.step_costs.get(precision) if precision else None
+    op_s = costs["op_s"] if costs else rates.op_s
+    bandwidth = costs["bytes_per_s"] if costs else rates.memory_bytes_per_s
     for (kind, dtype, flops, nbytes), count in ops.items():
         if kind == "view":
             t, f = rates.view_s, rates.view_s
         else:
             if kind == "matmul":
-                work = max(flops / rates.matmul_rate(dtype, flops), nbytes / rates.memory_bytes_per_s)
+                work = max(flops / rates.matmul_rate(dtype, flops), nbytes / bandwidth)
             elif kind == "attention":
-                work = max(flops / rates.attention_rate(dtype), nbytes / rates.memory_bytes_per_s)
+                work = max(flops / rates.attention_rate(dtype), nbytes / bandwidth)
             else:
-                work = nbytes / rates.memory_bytes_per_s
-            f = rates.op_s
+                work = nbytes / bandwidth
+            f = op_s
             t = max(work, f) if host_bound else work + f
         total += count * t
         fixed += count * f
+    if costs:
+        total += costs.get("micro_s", 0.0)
+        fixed += costs.get("micro_s", 0.0)
     return total, fixed
 
 
@@ -200,7 +211,7 @@ def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int
     base = counts.total
     n_tensors = counts.trainable_tensors if hasattr(counts, "trainable_tensors") else 0
     notes = []
-    compute, _fixed = op_seconds(ops, machine.compute, host_bound=on_gpu)
+    compute, _fixed = op_seconds(ops, machine.compute, host_bound=on_gpu, precision=p.precision)
     fam = family(p)
     eng = machine.engines.get(fam) or machine.engines.get("amp") or {}
     if fam not in machine.engines:

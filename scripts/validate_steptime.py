@@ -296,6 +296,10 @@ def main() -> int:
                     help="seconds per training run before it is stopped and recorded as timed out (default 1800, "
                          "for a slow CPU; scripts/gpu_bench.sh gives a GPU point 120)")
     ap.add_argument("--list", action="store_true", help="print the grid points and their overrides, run nothing")
+    ap.add_argument("--recalibrate", action="store_true",
+                    help="measure this machine now rather than use the cached calibration (a shared CPU's speed "
+                         "drifts over hours: its bf16 matmuls ran at 1.16 and at 0.5 TFLOP/s on one 2-core Xeon "
+                         "the same day)")
     a = ap.parse_args()
     bad = [s for s in a.sets if "=" not in s]
     if bad:
@@ -335,7 +339,7 @@ def main() -> int:
     except ConfigError as e:
         print(f"validate_steptime: {e}", file=sys.stderr)
         return 2
-    machine = calibrate.load_or_calibrate()
+    machine = calibrate.load_or_calibrate(force=a.recalibrate)
     if os.path.exists(calibrate.cache_path()):  # the speeds every prediction here used, kept with the results
         shutil.copyfile(calibrate.cache_path(), os.path.join(a.out, "calibration.json"))
     doc.update(machine=machine.name, calibration_source=machine.source)

@@ -176,3 +176,14 @@ def test_the_runner_up_is_another_setting_when_the_buckets_grow():
     assert c.profile == "zero2-bf16" and c.reduce_bucket_size and c.reduce_bucket_size > 128 ** 2
     assert len(p.candidates) >= 2 and p.runner_up
     assert (p.runner_up["profile"], p.runner_up["setting"]) != (c.profile, c.setting)
+
+
+def test_costs_measured_in_steps_price_the_ops_of_their_precision():
+    """A CPU's in-step costs (launcher.stepcal) replace the looped op cost and bandwidth for steps of their
+    precision, and add what a forward + backward pays once; other precisions keep the looped ones."""
+    key = ("memory", "float32", 0, 1000)
+    rates = dataclasses.replace(machine("cpu", op_s=1e-5, bw=1e9).compute,
+                                step_costs={"bf16": {"op_s": 2e-5, "bytes_per_s": 1e8, "micro_s": 1e-3}})
+    assert steptime.op_seconds({key: 2}, rates, host_bound=False, precision="fp32")[0] == pytest.approx(2 * (1e-5 + 1e-6))
+    t, fixed = steptime.op_seconds({key: 2}, rates, host_bound=False, precision="bf16")
+    assert t == pytest.approx(2 * (2e-5 + 1e-5) + 1e-3) and fixed == pytest.approx(2 * 2e-5 + 1e-3)

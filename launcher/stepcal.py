@@ -1,0 +1,216 @@
+"""The prices of a training step's ops on the CPU, measured inside real forward + backward passes.
+
+A matmul timed alone in a loop runs with hot caches and with threads that never sleep. Inside a training
+step the same op reads operands other ops just wrote, backward reads them transposed, and every parallel
+region first wakes threads the Python between ops let sleep: on a 2-core Xeon the matmuls of a tiny Llama's
+step ran at 1.5-3.5x their looped time, and the fused attention kernel in bf16 at a tenth of the rate a
+looped call reached. Priced by the looped rates, every CPU step was predicted 20-60% short. So on a CPU
+(the GPU keeps the looped rates: its host runs ahead of the kernels) the step-time model's rates come from
+steps:
+
+* a Llama at three sizes (:data:`REFERENCE`: hidden 128 to 1024, the largest with a 16k vocabulary so the
+  head's matmul is priced too), forward + backward as the AMP engine runs it (``torch.autocast`` for bf16),
+  per precision the CPU runs;
+* ``torch.profiler`` attributes the step's time: each matmul shape's self time gives a (FLOPs, FLOP/s) point
+  of the **matmul curve**; the fused attention kernels' self time over the FLOPs the planner's trace counts
+  for them gives the **attention rate**;
+* what is left of the step's wall time (elementwise ops, casts, views, autograd, transformers' Python) is
+  solved, over the three sizes, for a **fixed cost per kernel op** and an **elementwise rate** (bytes per
+  second), with the kernel ops, view ops and bytes counted by the planner's own trace of the same models:
+  the same records the step-time model prices, so nothing is counted twice or left out.
+
+These are machine constants measured on models of their own, as the looped ones were; nothing is fitted to
+the runs that validate the model (``scripts/validate_steptime.py``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+from launcher.log import logger
+
+# The steps measured (hidden, intermediate, heads, kv heads, vocabulary, decoder layers, batch, sequence): the
+# smallest at two depths, so that what a step pays once (the loss, the mask, the call into the model) is told
+# from what each op pays.
+_SMALL = dict(hidden_size=128, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+              batch=2, seq=128)
+REFERENCE = (
+    {**_SMALL, "layers": 1},
+    {**_SMALL, "layers": 3},
+    dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4, vocab_size=4096,
+         layers=2, batch=2, seq=128),
+    dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=8,
+         vocab_size=16384, layers=2, batch=1, seq=256),
+)
+MATMULS = {"aten::mm": "mm", "aten::addmm": "addmm", "aten::bmm": "bmm", "aten::baddbmm": "baddbmm"}
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def _config(ref: dict):
+    from transformers import LlamaConfig
+
+    c = {k: v for k, v in ref.items() if k not in ("batch", "seq", "layers")}
+    return LlamaConfig(num_hidden_layers=ref["layers"], max_position_embeddings=ref["seq"], tie_word_embeddings=False, **c)
+
+
+def _matmul_flops(kind: str, shapes: list) -> int:
+    """FLOPs of one matmul call from the input shapes torch's profiler records."""
+    a, b = (shapes[1], shapes[2]) if kind in ("addmm", "baddbmm") else (shapes[0], shapes[1])
+    if kind in ("bmm", "baddbmm"):
+        return 2 * a[0] * a[1] * a[2] * b[2]
+    return 2 * a[0] * a[1] * b[1]
+
+
+def _traced_ops(config, precision: str, batch: int, seq: int) -> dict:
+    """The planner's op record of this model's micro-batch (what the step-time model will price)."""
+    from launcher import planner
+    from launcher.memory.shape import count_params
+    from launcher.memory.states import RunShape
+
+    run = RunShape(config=config, counts=count_params(config), device="cpu", capability=(0, 0), precision=precision,
+                   seq_len=seq, global_batch=batch, world=1, checkpointing=False, attn_implementation="sdpa",
+                   lora_r=0, lora_targets=("all-linear",), lora_dropout=0.0, quantize="none", optimizer="adamw",
+                   trust_remote_code=False)
+    return planner._ops(planner._activations(run, "amp", batch), run)
+
+
+def _measure(ref: dict, precision: str, steps: int, profiled: int) -> dict:
+    """Wall time of a step (median of ``steps``) and its profiler attribution (mean of ``profiled``)."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = _config(ref)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model.config.use_cache = False
+    model.train()
+    ids = torch.randint(0, config.vocab_size, (ref["batch"], ref["seq"]))
+    dtype = PRECISIONS[precision]
+
+    def step():
+        with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        step()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(profiled):
+            step()
+    matmuls: dict = defaultdict(lambda: [0, 0.0])  # (dtype-less shape key, flops) -> [calls, self seconds]
+    mm_s = attention_s = 0.0
+    for e in prof.key_averages(group_by_input_shape=True):
+        self_s = e.self_cpu_time_total / 1e6 / profiled
+        if e.key in MATMULS:
+            try:
+                flops = _matmul_flops(MATMULS[e.key], e.input_shapes)
+            except (IndexError, TypeError):
+                continue
+            entry = matmuls[(e.key, str(e.input_shapes))]
+            entry[0], entry[1] = flops, entry[1] + self_s * profiled / max(1, e.count)  # seconds per call
+            mm_s += self_s
+        elif "scaled_dot_product" in e.key and "flash_attention" in e.key:
+            attention_s += self_s
+    return {"config": {k: v for k, v in ref.items()}, "precision": precision, "step_s": statistics.median(times),
+            "step_best_s": min(times), "matmul_s": mm_s, "attention_s": attention_s,
+            "matmul_calls": [[f, s] for f, s in matmuls.values()]}
+
+
+def _nonneg_lstsq(rows: list[list[float]], ys: list[float]) -> list[float]:
+    """Least squares with every coefficient >= 0: the best over the subsets of unknowns whose solution is >= 0."""
+    import itertools
+
+    best, best_err = [0.0] * len(rows[0]), float("inf")
+    n = len(rows[0])
+    for keep in itertools.chain.from_iterable(itertools.combinations(range(n), k) for k in range(1, n + 1)):
+        a = torch.tensor([[r[i] for i in keep] for r in rows], dtype=torch.float64)
+        y = torch.tensor(ys, dtype=torch.float64).unsqueeze(1)
+        x = torch.linalg.lstsq(a, y).solution.squeeze(1).tolist()
+        if any(v < 0 for v in x):
+            continue
+        coef = [0.0] * n
+        for i, v in zip(keep, x):
+            coef[i] = v
+        err = sum((sum(c * r[i] for i, c in enumerate(coef)) - yy) ** 2 for r, yy in zip(rows, ys))
+        if err < best_err:
+            best, best_err = coef, err
+    return best
+
+
+def _curve(points: list[list[float]], looped: list[list[float]]) -> list[list[float]]:
+    """The in-step (FLOPs, FLOP/s) points, one per FLOP count (median rate), then the looped curve's
+    points above the largest in-step one, scaled to meet it (a bigger matmul than any step here ran gains
+    over the largest as a looped one does)."""
+    by: dict = defaultdict(list)
+    for f, r in points:
+        by[f].append(r)
+    curve = sorted([float(f), statistics.median(rs)] for f, rs in by.items())
+    if not curve or not looped:
+        return curve
+    from launcher.steptime import Rates
+
+    top_f, top_r = curve[-1]
+    ref = Rates(device="cpu", matmul={"x": looped}).matmul_rate("x", top_f)
+    curve += [[f, r * top_r / ref] for f, r in looped if f > top_f]
+    return curve
+
+
+def measure(work, view_s: float, raw: dict, skipped: dict, *, steps: int = 6, profiled: int = 2,
+            references: tuple = REFERENCE, precisions: tuple = ("fp32", "bf16")) -> dict:
+    """In-step rates for :class:`launcher.steptime.Rates` of the CPU, given the looped ones (``work``): a dict
+    with ``matmul`` (dtype -> curve), ``attention`` (dtype -> FLOP/s) and ``step_costs`` (precision ->
+    ``{"op_s", "bytes_per_s", "micro_s"}``); what could not be measured is left out and said in ``skipped``."""
+    out: dict = {"matmul": {}, "attention": {}, "step_costs": {}}
+    samples = raw.setdefault("in_step", {})
+    for precision in precisions:
+        dtype_name = "float32" if precision == "fp32" else "bfloat16"
+        if dtype_name not in work.matmul:
+            skipped[f"in-step {precision}"] = f"no looped {dtype_name} matmul rate (the CPU does not run it)"
+            continue
+        rows, points, att_flops, att_s = [], [], 0.0, 0.0
+        try:
+            for ref in references:
+                m = _measure(ref, precision, steps, profiled)
+                ops = _traced_ops(_config(ref), precision, ref["batch"], ref["seq"])
+                mm_ops = {k: c for k, c in ops.items() if k[0] == "matmul"}
+                at_ops = {k: c for k, c in ops.items() if k[0] == "attention"}
+                kernels = sum(c for k, c in ops.items() if k[0] != "view")
+                views = sum(c for k, c in ops.items() if k[0] == "view")
+                mem_bytes = sum(k[3] * c for k, c in ops.items() if k[0] == "memory")
+                m.update(kernel_ops=kernels, view_ops=views, memory_bytes=mem_bytes,
+                         traced_matmul_flops=sum(k[2] * c for k, c in mm_ops.items()),
+                         traced_attention_flops=sum(k[2] * c for k, c in at_ops.items()))
+                samples.setdefault(precision, []).append(m)
+                points += [[f, f / s] for f, s in m["matmul_calls"] if s > 0 and f > 0]
+                att_flops += m["traced_attention_flops"]
+                att_s += m["attention_s"]
+                # What the step spends besides its matmul and attention kernels: per op and per byte.
+                rest = m["step_s"] - m["matmul_s"] - m["attention_s"] - views * view_s
+                rows.append(([float(kernels), float(mem_bytes), 1.0], rest))
+        except Exception as e:  # noqa: BLE001 -- the looped rates stand; say why
+            skipped[f"in-step {precision}"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            continue
+        out["matmul"][dtype_name] = _curve(points, work.matmul.get(dtype_name, []))
+        if att_s > 0 and att_flops > 0:
+            out["attention"][dtype_name] = att_flops / att_s
+        # Relative errors: each step counts alike (absolute ones would leave the small models to the large one).
+        op_s, per_byte, once = _nonneg_lstsq([[v / y for v in r] for r, y in rows], [1.0] * len(rows))
+        floor = 1 / work.memory_bytes_per_s  # an elementwise op is never faster than memory streams
+        if per_byte < floor:
+            per_byte = floor
+            op_s, once = _nonneg_lstsq([[r[0] / y, 1 / y] for r, y in rows], [1 - r[1] * per_byte / y for r, y in rows])
+        out["step_costs"][precision] = {"op_s": op_s, "bytes_per_s": 1 / per_byte, "micro_s": once}
+        samples[f"{precision}_fit"] = out["step_costs"][precision]
+        logger.info(f"calibrate: in-step {precision}: {len(points)} matmul shapes, op {op_s * 1e6:.3g} us, "
+                    f"elementwise {1 / per_byte / 1e9:.3g} GB/s, {once * 1e3:.3g} ms once per micro-batch")
+    return out

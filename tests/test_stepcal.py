@@ -1,0 +1,53 @@
+"""The CPU's in-step calibration (launcher.stepcal): its arithmetic, and one small measurement whose own
+prediction must come back near what was measured."""
+
+import pytest
+
+from launcher import stepcal
+from launcher.steptime import Rates, op_seconds
+
+
+def test_matmul_flops_from_profiler_shapes():
+    assert stepcal._matmul_flops("mm", [[128, 64], [64, 32]]) == 2 * 128 * 64 * 32
+    assert stepcal._matmul_flops("addmm", [[32], [128, 64], [64, 32]]) == 2 * 128 * 64 * 32
+    assert stepcal._matmul_flops("bmm", [[4, 128, 64], [4, 64, 32]]) == 2 * 4 * 128 * 64 * 32
+
+
+def test_curve_takes_the_median_per_size_and_continues_with_the_looped_shape():
+    points = [[1e6, 1e10], [1e6, 3e10], [1e6, 2e10], [1e8, 5e10]]
+    looped = [[1e6, 4e10], [1e8, 1e11], [1e10, 2e11]]
+    curve = stepcal._curve(points, looped)
+    assert curve[0] == [1e6, 2e10] and curve[1] == [1e8, 5e10]
+    # above the largest in-step size: the looped curve's gain (2x from 1e8 to 1e10), from the in-step rate
+    assert curve[2] == pytest.approx([1e10, 1e11])
+
+
+def test_nonneg_lstsq_keeps_every_coefficient_at_or_above_zero():
+    rows = [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]
+    assert stepcal._nonneg_lstsq(rows, [2.0, 3.0, 5.0]) == pytest.approx([2.0, 3.0])
+    a, b = stepcal._nonneg_lstsq(rows, [-1.0, 3.0, 2.0])
+    assert a == 0.0 and b > 0
+
+
+def test_a_measured_step_is_priced_back_near_its_time():
+    """Measure a small Llama at two depths, then price the planner's trace of the deeper one with the rates
+    found: the time comes back within a factor of 1.5 of the measured one (the fit has three unknowns over two
+    steps; what is left is the profiler's attribution and the noise of a shared machine)."""
+    small = dict(hidden_size=64, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                 batch=1, seq=32)
+    refs = ({**small, "layers": 1}, {**small, "layers": 3})
+    looped = Rates(device="cpu", matmul={"float32": [[1e5, 1e10], [1e9, 5e10]]}, memory_bytes_per_s=1e10,
+                   op_s=1e-5, view_s=2e-6)
+    raw, skipped = {}, {}
+    found = stepcal.measure(looped, looped.view_s, raw, skipped, steps=4, profiled=1, references=refs,
+                            precisions=("fp32",))
+    assert not skipped, skipped
+    costs = found["step_costs"]["fp32"]
+    assert costs["op_s"] >= 0 and costs["bytes_per_s"] > 0 and costs["micro_s"] >= 0
+    assert found["matmul"]["float32"] and found["attention"]["float32"] > 0
+    rates = Rates(device="cpu", matmul=found["matmul"], attention=found["attention"], memory_bytes_per_s=1e10,
+                  op_s=1e-5, view_s=looped.view_s, step_costs=found["step_costs"])
+    deep = raw["in_step"]["fp32"][1]
+    ops = stepcal._traced_ops(stepcal._config(refs[1]), "fp32", 1, 32)
+    predicted = op_seconds(ops, rates, host_bound=False, precision="fp32")[0]
+    assert deep["step_s"] / 1.5 < predicted < deep["step_s"] * 1.5
