@@ -21,6 +21,10 @@ again on the CPU (``host``; on a CPU-only machine ``host`` is ``compute``, measu
   at ``view_s``, over its kernel ops, counted by :func:`launcher.memory.trace.measure_step` on the same
   models. The difference of depths leaves out what a step pays once (the loss, the mask, the call into the
   model), which a deep model spreads over many layers; the whole-model figure is kept in ``measured``.
+* **in-step prices** (a CPU only; :mod:`launcher.stepcal`): the matmul curve, attention rate, op cost and
+  elementwise rate measured again inside real forward + backward passes under torch's profiler, per precision;
+  they replace the looped ones above for steps of that precision (``Rates.step_costs``), since on a CPU the same
+  ops run 1.5-3.5x slower inside a step than looped alone.
 * **copies**: GPU <-> CPU, both ways, pinned (when ``ulimit -l`` allows pinning) and pageable; on a CPU-only
   machine a large host tensor copy (DeepSpeed's offload still copies gradients into CPU buffers there):
   bytes copied per second.
@@ -37,8 +41,9 @@ again on the CPU (``host``; on a CPU-only machine ``host`` is ``compute``, measu
   subtracted what :func:`steptime.predict` already prices for that model (its compute from the planner's own
   trace of it, memory traffic, copies, the optimizer at the rates just measured); the rest, at two tensor
   counts, is solved for ``micro_s + micro_tensor_s * tensors`` and ``step_s + step_tensor_s * tensors``
-  (least squares, clamped at 0). CPU: ``amp-fp32``, ``zero2-fp32`` and the bf16 offload and FSDP profiles of
-  the catalogue; GPU: the bf16 (or fp16 below compute capability 8) profiles. A family that cannot run here
+  (least squares, clamped at 0). CPU: ``amp-fp32``, ``zero2-fp32`` (and ``zero2-bf16``, kept as
+  ``zero2@bf16``: DeepSpeed's bf16 path costs more), and the bf16 offload and FSDP profiles of the catalogue;
+  GPU: the bf16 (or fp16 below compute capability 8) profiles. A family that cannot run here
   (DeepSpeed missing, its ops not built) is left out with the reason in ``measured["skipped"]``.
 * **disk**: write and fsync a file of 128 MiB in the output directory's file system, then remove it.
 
@@ -92,6 +97,10 @@ from launcher.steptime import Machine, Rates, op_seconds, predict
 FORMAT = 2  # of the cache file; another value is measured again
 MiB = 1 << 20
 FAMILIES = ("amp", "zero2", "zero2_offload", "zero3_offload", "fsdp")  # steptime.family names measured here
+# Measured again at another precision on a CPU, kept as 'family@precision': DeepSpeed's bf16 path (16-bit
+# weights, its fp32 partitions and the copy back) costs another engine time than its fp32 one (tiny Llama,
+# batch 8: zero2-bf16 ran 140 ms a step where zero2-fp32's numbers priced it at 84).
+CPU_EXTRA = ("zero2@bf16",)
 # The tiny Llama of the per-op and engine measurements: everything but the fixed costs is negligible.
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=64, tie_word_embeddings=False)
@@ -703,6 +712,9 @@ def profile_for(fam: str, gpu_bf16: bool | None):
     cpu = gpu_bf16 is None
     p16 = "bf16" if cpu or gpu_bf16 else "fp16"
     exact = "fp32" if cpu else p16
+    if "@" in fam:  # 'family@precision': that family at that precision
+        fam, exact = fam.split("@")
+        p16 = exact
     return PROFILES[{"amp": f"amp-{exact}", "zero2": f"zero2-{exact}", "zero2_offload": f"zero2-{p16}-offload-opt",
                      "zero3_offload": f"zero3-{p16}-offload-all", "fsdp": f"fsdp-{p16}-offload"}[fam]]
 
@@ -781,7 +793,8 @@ def _engines(machine: Machine, device: torch.device, s: Sizes, raw: dict, skippe
     hw = probe()
     gpu = hw.gpu(device.index or 0) if device.type == "cuda" else None
     out = {}
-    for fam in s.families:
+    extra = [f for f in CPU_EXTRA if f.split("@")[0] in s.families] if gpu is None else []
+    for fam in (*s.families, *extra):
         p = profile_for(fam, gpu.bf16 if gpu else None)
         problem = _engine_problem(p, cfg, hw, device) if s.deepspeed or p.engine != "deepspeed" else (
             "left out (a quick calibration)")
@@ -877,13 +890,17 @@ def calibrate(sizes: Sizes | None = None, output_dir: str | None = None) -> Mach
 
 def summary(m: Machine) -> dict:
     """The headline numbers: matmul TFLOPS per dtype at the largest size measured, memory GB/s, op and view
-    cost in microseconds, copy GB/s, optimizer seconds per 100M parameters, engine fixed costs in ms."""
+    cost in microseconds, the costs measured inside steps per precision (a CPU), copy GB/s, optimizer seconds
+    per 100M parameters, engine fixed costs in ms."""
     def rates(r: Rates) -> dict:
         return {"matmul_tflops": {k: _sig(c[-1][1] / 1e12) for k, c in r.matmul.items() if c},
                 "matmul_largest_flops": {k: c[-1][0] for k, c in r.matmul.items() if c},
                 "attention_tflops": {k: _sig(v / 1e12) for k, v in r.attention.items()},
                 "memory_gb_s": _sig(r.memory_bytes_per_s / 1e9), "op_us": _sig(r.op_s * 1e6),
-                "view_us": _sig(r.view_s * 1e6)}
+                "view_us": _sig(r.view_s * 1e6),
+                "in_step": {k: {"op_us": _sig(v["op_s"] * 1e6), "elementwise_gb_s": _sig(v["bytes_per_s"] / 1e9),
+                                "once_per_micro_batch_ms": _sig(v.get("micro_s", 0.0) * 1e3)}
+                            for k, v in r.step_costs.items()}}
 
     out = {"name": m.name, "source": m.source, "threads": m.threads, m.compute.device: rates(m.compute)}
     if m.host.device != m.compute.device:
@@ -917,6 +934,9 @@ def format_report(found: Cached) -> str:
         lines.append(f"  {dev}: matmul TFLOPS at the largest size: {mm}; attention TFLOPS: {att or 'n/a'}")
         lines.append(f"  {dev}: memory {r['memory_gb_s']:.3g} GB/s; per kernel op {r['op_us']:.3g} us, per view "
                      f"{r['view_us']:.3g} us")
+        for prec, c in r["in_step"].items():
+            lines.append(f"  {dev} inside {prec} steps: per kernel op {c['op_us']:.3g} us, elementwise "
+                         f"{c['elementwise_gb_s']:.3g} GB/s, {c['once_per_micro_batch_ms']:.3g} ms once per micro-batch")
     lines.append("  copies GB/s: " + ", ".join(f"{k} {v:.3g}" for k, v in sm["copy_gb_s"].items()))
     lines.append("  optimizer s per 100M params: " + (", ".join(
         f"{k} {v:.3g}" for k, v in sm["optimizer_s_per_100m_params"].items()) or "none measured"))

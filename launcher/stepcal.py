@@ -25,7 +25,10 @@ the runs that validate the model (``scripts/validate_steptime.py``).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
+import sys
 import time
 from collections import defaultdict
 
@@ -78,6 +81,20 @@ def _traced_ops(config, precision: str, batch: int, seq: int) -> dict:
     return planner._ops(planner._activations(run, "amp", batch), run)
 
 
+@contextlib.contextmanager
+def _quiet_stderr():
+    """File descriptor 2 to /dev/null for the block (what C++ code writes there too), restored after."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _measure(ref: dict, precision: str, steps: int, profiled: int) -> dict:
     """Wall time of a step (median of ``steps``) and its profiler attribution (mean of ``profiled``)."""
     from torch.profiler import ProfilerActivity, profile
@@ -104,9 +121,15 @@ def _measure(ref: dict, precision: str, steps: int, profiled: int) -> dict:
         t = time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+    with _quiet_stderr():  # its C++ side prints a line at start and at stop, for every profile (torch 2.13)
+        prof.start()
+    try:
         for _ in range(profiled):
             step()
+    finally:
+        with _quiet_stderr():
+            prof.stop()
     matmuls: dict = defaultdict(lambda: [0, 0.0])  # (dtype-less shape key, flops) -> [calls, self seconds]
     mm_s = attention_s = 0.0
     for e in prof.key_averages(group_by_input_shape=True):

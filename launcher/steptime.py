@@ -213,7 +213,8 @@ def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int
     notes = []
     compute, _fixed = op_seconds(ops, machine.compute, host_bound=on_gpu, precision=p.precision)
     fam = family(p)
-    eng = machine.engines.get(fam) or machine.engines.get("amp") or {}
+    # a family measured at this precision (a CPU's DeepSpeed bf16, see calibrate.CPU_EXTRA), else at its own
+    eng = machine.engines.get(f"{fam}@{p.precision}") or machine.engines.get(fam) or machine.engines.get("amp") or {}
     if fam not in machine.engines:
         notes.append(f"no measured fixed costs for {fam}: those of amp stand in")
     micro_fixed = eng.get("micro_s", 0.0) + eng.get("micro_tensor_s", 0.0) * n_tensors
