@@ -92,6 +92,7 @@ from launcher.paths import cache_root
 from launcher.precision import supports_bf16, supports_fp16
 from launcher.profiles import PROFILES
 from launcher.resolve import RunSpec
+from launcher.stepcal import nonneg_lstsq
 from launcher.steptime import Machine, Rates, op_seconds, predict
 
 FORMAT = 2  # of the cache file; another value is measured again
@@ -130,6 +131,9 @@ class Sizes:
     optimizer_tensors: tuple = (512, 1024)  # how many, and elements each: the per-tensor cost
     optimizer_steps: int = 3  # warm-up steps before timing (the first allocates the moments)
     engine_depths: tuple = (1, 4)  # decoder layers: 12 and 39 parameter tensors
+    # (layers, hidden) of a wider model, 21x the parameters of the deeper one for 80% of its tensors: the engines'
+    # cost per parameter (their passes over weights and gradients: casts, copies to fp32 partitions, shards)
+    engine_wide: tuple | None = (2, 256)
     engine_steps: int = 5  # timed optimizer steps per depth, after one warm-up
     families: tuple = FAMILIES
     deepspeed: bool = True  # its optimizers and engines (importing it and loading its ops: seconds)
@@ -141,7 +145,8 @@ class Sizes:
         return cls(matmul=(32, 64, 128), matmul_gpu=(256, 512), min_time_s=0.01, attention=(1, 2, 64, 16),
                    attention_gpu=(1, 4, 256, 64), memory_bytes=4 * MiB, memory_bytes_gpu=16 * MiB, copy_bytes=4 * MiB,
                    view_chain=16, step_depths=(1, 2), optimizer_params=256 * 1024, optimizer_params_gpu=1 * MiB,
-                   optimizer_tensors=(32, 256), optimizer_steps=1, engine_depths=(1, 2), engine_steps=2,
+                   optimizer_tensors=(32, 256), optimizer_steps=1, engine_depths=(1, 2), engine_wide=None,
+                   engine_steps=2,
                    families=("amp",), deepspeed=False, disk_bytes=1 * MiB, in_step=False)
 
 
@@ -360,22 +365,6 @@ def _time_guarded(fn, s: Sizes) -> tuple[float, float]:
     return _time(fn, s.min_time_s)
 
 
-def _nonneg_lstsq(rows: list[list[float]], ys: list[float]) -> list[float]:
-    """Least squares with every coefficient >= 0: a negative one is set to 0 and the others fitted again."""
-    import numpy as np
-
-    a, y = np.asarray(rows, dtype=float), np.asarray(ys, dtype=float)
-    x = np.zeros(a.shape[1])
-    free = list(range(a.shape[1]))
-    while free:
-        sol = np.linalg.lstsq(a[:, free], y, rcond=None)[0]
-        if (sol >= 0).all():
-            x[free] = sol
-            break
-        free = [j for j, v in zip(free, sol) if v > 0]
-    return [float(v) for v in x]
-
-
 # ------------------------------------------------------------------------------------------------
 # One device's rates
 
@@ -466,17 +455,19 @@ def _memory(device: torch.device, s: Sizes, raw: dict) -> float:
     return 12 * n / best  # two read, one written
 
 
-def _tiny_config(depth: int):
+def _tiny_config(depth: int, hidden: int | None = None):
     from transformers import LlamaConfig
 
-    return LlamaConfig(num_hidden_layers=depth, **TINY)
+    wide = {"hidden_size": hidden, "intermediate_size": 3 * hidden} if hidden else {}
+    return LlamaConfig(num_hidden_layers=depth, **{**TINY, **wide})
 
 
-def _tiny_model(depth: int, dtype: torch.dtype = torch.float32, device: torch.device | None = None):
+def _tiny_model(depth: int, dtype: torch.dtype = torch.float32, device: torch.device | None = None,
+                hidden: int | None = None):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_tiny_config(depth), attn_implementation="sdpa", dtype=dtype)
+    model = AutoModelForCausalLM.from_config(_tiny_config(depth, hidden), attn_implementation="sdpa", dtype=dtype)
     model.config.use_cache = False
     return model.to(device) if device is not None else model
 
@@ -671,7 +662,7 @@ def _optimizers(gpu: bool, s: Sizes, raw: dict, skipped: dict) -> dict:
         except Exception as e:  # noqa: BLE001 -- an optimizer that fails here is reported, not fatal to the rest
             skipped[key] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             continue
-        out[key] = _nonneg_lstsq(rows, ys)
+        out[key] = nonneg_lstsq(rows, ys)
         raw.setdefault("optimizers", {})[key] = samples
     return out
 
@@ -734,11 +725,11 @@ def _engine_problem(p, cfg, hw, device) -> str | None:
     return None
 
 
-def _predicted(p, machine: Machine, depth: int, device: torch.device, pinned: bool):
-    """(per micro-batch, per step) seconds the step-time model gives the tiny model at ``depth`` without any
-    engine fixed cost, from the planner's own trace of it, and its parameter tensors."""
+def _predicted(p, machine: Machine, depth: int, device: torch.device, pinned: bool, hidden: int | None = None):
+    """(per micro-batch, per step) seconds the step-time model gives the tiny model at ``depth`` (and ``hidden``)
+    without any engine fixed cost, from the planner's own trace of it, its parameter tensors and parameters."""
 
-    config = _tiny_config(depth)
+    config = _tiny_config(depth, hidden)
     counts = count_params(config)
     cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
     run = RunShape(config=config, counts=counts, device=device.type, capability=cap, precision=p.precision,
@@ -748,19 +739,19 @@ def _predicted(p, machine: Machine, depth: int, device: torch.device, pinned: bo
     est = planner._activations(run, planner._family(p), 1)
     t = predict(p, machine, ops=planner._ops(est, run), counts=counts, micro_batch=1, accumulation=2,
                 seq_len=TINY_SEQ, pinned=pinned)
-    return t.micro_batch_s, t.step_s - 2 * t.micro_batch_s, counts.trainable_tensors
+    return t.micro_batch_s, t.step_s - 2 * t.micro_batch_s, counts.trainable_tensors, counts.total
 
 
-def _time_engine(p, cfg, hw, device: torch.device, depth: int, s: Sizes) -> dict:
+def _time_engine(p, cfg, hw, device: torch.device, depth: int, s: Sizes, hidden: int | None = None) -> dict:
     """Build the engine of ``p`` around the tiny model once and time ``s.engine_steps`` optimizer steps of
     two micro-batches each, call by call, after one warm-up step."""
 
     spec = RunSpec(device=device, precision=p.precision, profile=p, micro_batch=1, accumulation=2, world=1,
                    checkpointing=False)
-    model = _tiny_model(depth, weight_dtype(cfg, p.engine, p.precision))
+    model = _tiny_model(depth, weight_dtype(cfg, p.engine, p.precision), hidden=hidden)
     n = sum(q.numel() for q in model.parameters())
     t = time.perf_counter()
-    engine, _ = engines.build(cfg, spec, model, hw, TINY["hidden_size"], LR)
+    engine, _ = engines.build(cfg, spec, model, hw, hidden or TINY["hidden_size"], LR)
     built = time.perf_counter() - t
     ids = torch.randint(0, TINY["vocab_size"], (1, TINY_SEQ))
     batch = {"input_ids": ids, "labels": ids}
@@ -784,7 +775,8 @@ def _time_engine(p, cfg, hw, device: torch.device, depth: int, s: Sizes) -> dict
         del engine, model
         gc.collect()
     pinned = p.offloads and pin_memory_ok(hw, 16 * n)[0]
-    return {"depth": depth, "build_s": built, "micro_s": micro, "boundary_and_step_s": rest, "pinned": pinned}
+    return {"depth": depth, "hidden": hidden or TINY["hidden_size"], "build_s": built, "micro_s": micro,
+            "boundary_and_step_s": rest, "pinned": pinned}
 
 
 def _engines(machine: Machine, device: torch.device, s: Sizes, raw: dict, skipped: dict) -> dict:
@@ -804,24 +796,28 @@ def _engines(machine: Machine, device: torch.device, s: Sizes, raw: dict, skippe
         t = time.perf_counter()
         micro_rows, step_rows, runs = [], [], []
         try:
-            for depth in s.engine_depths:
-                run = _time_engine(p, cfg, hw, device, depth, s)
-                pred_micro, pred_step, tensors = _predicted(p, machine, depth, device, run["pinned"])
+            models = [(d, None) for d in s.engine_depths] + ([s.engine_wide] if s.engine_wide else [])
+            for depth, hidden in models:
+                run = _time_engine(p, cfg, hw, device, depth, s, hidden)
+                pred_micro, pred_step, tensors, params = _predicted(p, machine, depth, device, run["pinned"], hidden)
                 m = min(run["micro_s"])
                 st = min(run["boundary_and_step_s"]) - m
-                run.update(tensors=tensors, predicted_micro_s=pred_micro, predicted_step_s=pred_step)
+                run.update(tensors=tensors, params=params, predicted_micro_s=pred_micro, predicted_step_s=pred_step)
                 runs.append(run)
-                micro_rows.append(([1.0, float(tensors)], m - pred_micro))
-                step_rows.append(([1.0, float(tensors)], st - pred_step))
+                micro_rows.append(([1.0, float(tensors), float(params)], m - pred_micro))
+                step_rows.append(([1.0, float(tensors), float(params)], st - pred_step))
         except Exception as e:  # noqa: BLE001 -- one engine that fails here is reported, the others still measured
             skipped[f"engine {fam}"] = f"{p.name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             continue
         finally:
             restore_torch_functions()  # ZeRO-3 replaces torch.nn.functional.linear for the whole process
-        micro_s, micro_tensor_s = _nonneg_lstsq([r for r, _ in micro_rows], [y for _, y in micro_rows])
-        step_s, step_tensor_s = _nonneg_lstsq([r for r, _ in step_rows], [y for _, y in step_rows])
-        out[fam] = {"micro_s": micro_s, "micro_tensor_s": micro_tensor_s, "step_s": step_s,
-                    "step_tensor_s": step_tensor_s}
+        if not s.engine_wide:  # two models: no per-parameter term
+            micro_rows = [(r[:2], y) for r, y in micro_rows]
+            step_rows = [(r[:2], y) for r, y in step_rows]
+        micro = nonneg_lstsq([r for r, _ in micro_rows], [y for _, y in micro_rows]) + [0.0]
+        step = nonneg_lstsq([r for r, _ in step_rows], [y for _, y in step_rows]) + [0.0]
+        out[fam] = {"micro_s": micro[0], "micro_tensor_s": micro[1], "micro_param_s": micro[2], "step_s": step[0],
+                    "step_tensor_s": step[1], "step_param_s": step[2]}
         raw.setdefault("engines", {})[fam] = {"profile": p.name, "runs": runs, "seconds": time.perf_counter() - t}
         logger.info(f"calibrate: engine {fam} ({p.name}) in {time.perf_counter() - t:.1f} s")
     return out
@@ -855,7 +851,9 @@ def calibrate(sizes: Sizes | None = None, output_dir: str | None = None) -> Mach
         return value
 
     compute = part(f"{device.type} rates", lambda: measure_rates(device, s, raw, skipped))
-    host = part("cpu rates", lambda: measure_rates(torch.device("cpu"), s, raw, skipped)) if gpu else compute
+    # a GPU host's CPU steps no forward or backward: its looped rates price what it does (optimizer, copies)
+    host = part("cpu rates", lambda: measure_rates(torch.device("cpu"), dataclasses.replace(s, in_step=False), raw,
+                                                   skipped)) if gpu else compute
     h2d, d2h = part("copies", lambda: _copies(gpu, s, raw, skipped))
     optimizers = part("optimizers", lambda: _optimizers(gpu, s, raw, skipped))
     threads = torch.get_num_threads()
@@ -941,8 +939,9 @@ def format_report(found: Cached) -> str:
     lines.append("  optimizer s per 100M params: " + (", ".join(
         f"{k} {v:.3g}" for k, v in sm["optimizer_s_per_100m_params"].items()) or "none measured"))
     for fam, e in m.engines.items():
-        lines.append(f"  engine {fam}: {e['micro_s'] * 1e3:.3g} ms + {e['micro_tensor_s'] * 1e6:.3g} us/tensor per "
-                     f"micro-batch, {e['step_s'] * 1e3:.3g} ms + {e['step_tensor_s'] * 1e6:.3g} us/tensor per step")
+        lines.append(f"  engine {fam}: {e['micro_s'] * 1e3:.3g} ms + {e['micro_tensor_s'] * 1e6:.3g} us/tensor + "
+                     f"{e.get('micro_param_s', 0) * 1e9:.3g} ns/parameter per micro-batch, {e['step_s'] * 1e3:.3g} ms + "
+                     f"{e['step_tensor_s'] * 1e6:.3g} us/tensor + {e.get('step_param_s', 0) * 1e9:.3g} ns/parameter per step")
     if sm["disk_write_gb_s"] is not None:
         lines.append(f"  disk write {sm['disk_write_gb_s']:.3g} GB/s")
     skipped = m.measured.get("skipped") or {}

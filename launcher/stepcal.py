@@ -8,16 +8,18 @@ looped call reached. Priced by the looped rates, every CPU step was predicted 20
 (the GPU keeps the looped rates: its host runs ahead of the kernels) the step-time model's rates come from
 steps:
 
-* a Llama at three sizes (:data:`REFERENCE`: hidden 128 to 1024, the largest with a 16k vocabulary so the
-  head's matmul is priced too), forward + backward as the AMP engine runs it (``torch.autocast`` for bf16),
-  per precision the CPU runs;
+* a Llama at four sizes (:data:`REFERENCE`: hidden 64 at 1 and 4 layers, where nothing but the fixed costs
+  counts, then hidden 128 to 1024, the largest with a 16k vocabulary so the head's matmul is priced too),
+  forward + backward as the AMP engine runs it (``torch.autocast`` for bf16), per precision the CPU runs;
 * ``torch.profiler`` attributes the step's time: each matmul shape's self time gives a (FLOPs, FLOP/s) point
   of the **matmul curve**; the fused attention kernels' self time over the FLOPs the planner's trace counts
   for them gives the **attention rate**;
 * what is left of the step's wall time (elementwise ops, casts, views, autograd, transformers' Python) is
-  solved, over the three sizes, for a **fixed cost per kernel op** and an **elementwise rate** (bytes per
-  second), with the kernel ops, view ops and bytes counted by the planner's own trace of the same models:
-  the same records the step-time model prices, so nothing is counted twice or left out.
+  solved, over the five steps, for a **fixed cost per kernel op**, an **elementwise rate** (bytes per
+  second) and a **cost paid once per forward + backward**, with the kernel ops, view ops and bytes counted
+  by the planner's own trace of the same models: the same records the step-time model prices, so nothing is
+  counted twice or left out. The engines' own passes over gradients and weights are priced at that
+  elementwise rate too (they run between the step's ops).
 
 These are machine constants measured on models of their own, as the looped ones were; nothing is fitted to
 the runs that validate the model (``scripts/validate_steptime.py``).
@@ -36,20 +38,23 @@ import torch
 
 from launcher.log import logger
 
-# The steps measured (hidden, intermediate, heads, kv heads, vocabulary, decoder layers, batch, sequence): the
-# smallest at two depths, so that what a step pays once (the loss, the mask, the call into the model) is told
-# from what each op pays.
-_SMALL = dict(hidden_size=128, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
-              batch=2, seq=128)
+# The steps measured (hidden, intermediate, heads, kv heads, vocabulary, decoder layers, batch, sequence). The
+# smallest, at 1 and 4 layers, does almost no work: its two steps tell the cost of an op from what a step
+# pays once (the loss, the mask, the call into the model); the three larger ones then tell the bytes' cost.
+_OPS = dict(hidden_size=64, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+            batch=1, seq=8)
 REFERENCE = (
-    {**_SMALL, "layers": 1},
-    {**_SMALL, "layers": 3},
+    {**_OPS, "layers": 1},
+    {**_OPS, "layers": 4},
+    dict(hidden_size=128, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+         layers=2, batch=2, seq=128),
     dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4, vocab_size=4096,
          layers=2, batch=2, seq=128),
     dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=8,
          vocab_size=16384, layers=2, batch=1, seq=256),
 )
 MATMULS = {"aten::mm": "mm", "aten::addmm": "addmm", "aten::bmm": "bmm", "aten::baddbmm": "baddbmm"}
+MIN_TIME_S = 0.3  # each step is timed for at least this long (and at least ``steps`` times)
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 
 
@@ -116,8 +121,8 @@ def _measure(ref: dict, precision: str, steps: int, profiled: int) -> dict:
 
     for _ in range(2):
         step()
-    times = []
-    for _ in range(steps):
+    times, until = [], time.perf_counter() + MIN_TIME_S
+    while len(times) < steps or time.perf_counter() < until:  # a step of milliseconds is timed many times
         t = time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
@@ -149,7 +154,7 @@ def _measure(ref: dict, precision: str, steps: int, profiled: int) -> dict:
             "matmul_calls": [[f, s] for f, s in matmuls.values()]}
 
 
-def _nonneg_lstsq(rows: list[list[float]], ys: list[float]) -> list[float]:
+def nonneg_lstsq(rows: list[list[float]], ys: list[float]) -> list[float]:
     """Least squares with every coefficient >= 0: the best over the subsets of unknowns whose solution is >= 0."""
     import itertools
 
@@ -227,11 +232,11 @@ def measure(work, view_s: float, raw: dict, skipped: dict, *, steps: int = 6, pr
         if att_s > 0 and att_flops > 0:
             out["attention"][dtype_name] = att_flops / att_s
         # Relative errors: each step counts alike (absolute ones would leave the small models to the large one).
-        op_s, per_byte, once = _nonneg_lstsq([[v / y for v in r] for r, y in rows], [1.0] * len(rows))
+        op_s, per_byte, once = nonneg_lstsq([[v / y for v in r] for r, y in rows], [1.0] * len(rows))
         floor = 1 / work.memory_bytes_per_s  # an elementwise op is never faster than memory streams
         if per_byte < floor:
             per_byte = floor
-            op_s, once = _nonneg_lstsq([[r[0] / y, 1 / y] for r, y in rows], [1 - r[1] * per_byte / y for r, y in rows])
+            op_s, once = nonneg_lstsq([[r[0] / y, 1 / y] for r, y in rows], [1 - r[1] * per_byte / y for r, y in rows])
         out["step_costs"][precision] = {"op_s": op_s, "bytes_per_s": 1 / per_byte, "micro_s": once}
         samples[f"{precision}_fit"] = out["step_costs"][precision]
         logger.info(f"calibrate: in-step {precision}: {len(points)} matmul shapes, op {op_s * 1e6:.3g} us, "

@@ -84,7 +84,8 @@ class Machine:
     h2d_bytes_per_s: dict = field(default_factory=dict)  # {'pinned': B/s, 'pageable': B/s}
     d2h_bytes_per_s: dict = field(default_factory=dict)
     optimizers: dict = field(default_factory=dict)  # 'kind@device' -> [seconds per parameter, seconds per tensor]
-    engines: dict = field(default_factory=dict)  # family -> {'micro_s', 'micro_tensor_s', 'step_s', 'step_tensor_s'}
+    # family -> {'micro_s', 'micro_tensor_s', 'micro_param_s', 'step_s', 'step_tensor_s', 'step_param_s'}
+    engines: dict = field(default_factory=dict)
     disk_write_bytes_per_s: float | None = None
     threads: int = 1
     measured: dict = field(default_factory=dict)  # anything else recorded (dates, versions, raw samples)
@@ -217,8 +218,11 @@ def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int
     eng = machine.engines.get(f"{fam}@{p.precision}") or machine.engines.get(fam) or machine.engines.get("amp") or {}
     if fam not in machine.engines:
         notes.append(f"no measured fixed costs for {fam}: those of amp stand in")
-    micro_fixed = eng.get("micro_s", 0.0) + eng.get("micro_tensor_s", 0.0) * n_tensors
-    step_fixed = eng.get("step_s", 0.0) + eng.get("step_tensor_s", 0.0) * n_tensors
+    # per parameter: a micro-batch's passes touch every weight (casts, shards, hooks), the step's the trainable ones
+    full = base + (counts.adapters if lora else 0)
+    micro_fixed = (eng.get("micro_s", 0.0) + eng.get("micro_tensor_s", 0.0) * n_tensors
+                   + eng.get("micro_param_s", 0.0) * full)
+    step_fixed = eng.get("step_s", 0.0) + eng.get("step_tensor_s", 0.0) * n_tensors + eng.get("step_param_s", 0.0) * trainable
     # Copies between the GPU and the CPU (on a CPU-only machine the same bytes move in host memory).
     link = "pinned" if pinned else "pageable"
     h2d = machine.h2d_bytes_per_s.get(link) or machine.host.memory_bytes_per_s
@@ -241,7 +245,6 @@ def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int
         grads_down = cd * trainable
         host_traffic_step = (4 + 8 + 4 + cd) * trainable  # norm, clip, master -> 16-bit partition on the CPU
     elif fam == "fsdp":
-        full = base + (counts.adapters if lora else 0)
         if on_gpu:
             weights_up_micro = 2 * 4 * full  # each unit's fp32 shard for forward and for backward
             grads_down = 4 * trainable
@@ -255,8 +258,10 @@ def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int
             traffic_micro = 12 * trainable * (accumulation - 1) / accumulation  # grad += (after the first)
         if p.precision == "fp16":
             traffic_step += 8 * trainable  # GradScaler.unscale_
-    mem = machine.compute.memory_bytes_per_s
-    host_mem = machine.host.memory_bytes_per_s
+    # The engine's passes run between the step's own ops: at the elementwise rate measured inside steps where
+    # there is one (a CPU), else at the looped memory bandwidth.
+    mem = (machine.compute.step_costs.get(p.precision) or {}).get("bytes_per_s") or machine.compute.memory_bytes_per_s
+    host_mem = (machine.host.step_costs.get(p.precision) or {}).get("bytes_per_s") or machine.host.memory_bytes_per_s
     t_grads = grads_down / d2h
     t_weights_micro = weights_up_micro / h2d
     t_activations = activation_copy_bytes / d2h + activation_copy_bytes / h2d
@@ -286,7 +291,6 @@ def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int
         if p.nvme_optimizer:
             t_disk_step += 12 * trainable / rd + 12 * trainable / wr
         if p.nvme_param:
-            full = base + (counts.adapters if lora else 0)
             t_disk_micro = 2 * cd * full / rd
             t_disk_step += cd * full / wr
         micro += t_disk_micro

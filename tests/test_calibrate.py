@@ -126,9 +126,9 @@ def test_corrections_are_kept_with_the_calibration(tmp_path):
 
 
 def test_nonneg_least_squares():
-    assert calibrate._nonneg_lstsq([[1, 1], [1, 3]], [3, 7]) == pytest.approx([1, 2])
-    assert calibrate._nonneg_lstsq([[1, 1], [1, 3]], [5, 3]) == pytest.approx([4, 0])  # falling: no negative slope
-    assert calibrate._nonneg_lstsq([[1, 1], [1, 3]], [-1, -2]) == [0, 0]
+    assert calibrate.nonneg_lstsq([[1, 1], [1, 3]], [3, 7]) == pytest.approx([1, 2])
+    assert calibrate.nonneg_lstsq([[1, 1], [1, 3]], [5, 3]) == pytest.approx([4, 0])  # falling: no negative slope
+    assert calibrate.nonneg_lstsq([[1, 1], [1, 3]], [-1, -2]) == [0, 0]
 
 
 def test_the_keys_are_the_step_time_models():
@@ -184,7 +184,8 @@ def test_calibrated_numbers_are_positive_and_sane(doctor_json):
         assert set(links) == {"pinned", "pageable"} and all(v > 0 for v in links.values())
     per_param, per_tensor = m.optimizers["torch_fused_adamw@cpu"]
     assert per_param >= 0 and per_tensor >= 0 and per_param + per_tensor > 0
-    assert set(m.engines["amp"]) == {"micro_s", "micro_tensor_s", "step_s", "step_tensor_s"}
+    assert set(m.engines["amp"]) == {"micro_s", "micro_tensor_s", "micro_param_s", "step_s", "step_tensor_s",
+                                     "step_param_s"}
     assert all(0 <= v < 1 for v in m.engines["amp"].values())
     assert m.disk_write_bytes_per_s > 0 and m.threads >= 1
     assert m.source.startswith("calibrated ") and m.name in m.source
