@@ -34,14 +34,15 @@ again on the CPU (``host``; on a CPU-only machine ``host`` is ``compute``, measu
   fit in a cache) and 512 tensors of 1024 (per-tensor cost), the two solved for [seconds per parameter,
   seconds per tensor]. The approach of ``scripts/bench_optimizers.py``: fp32 parameters with fp32 gradients,
   warm-up steps that allocate the moments, then timed steps.
-* **engines**: each engine family's own fixed cost per micro-batch and per optimizer step, fixed and per
-  parameter tensor: real engines (``launcher.engines.build``) around tiny Llamas of two depths (different
-  tensor counts), accumulation 2, several steps timed call by call: the non-boundary micro-batch is the
-  micro-batch cost; the boundary micro-batch plus ``step()`` minus it is the step's cost. From each is
+* **engines**: each engine family's own fixed cost per micro-batch and per optimizer step, fixed, per
+  parameter tensor and per parameter: real engines (``launcher.engines.build``) around tiny Llamas of two
+  depths (different tensor counts) and a wider one (``engine_wide``: many more parameters per tensor),
+  accumulation 2, several steps timed call by call: the non-boundary micro-batch is the micro-batch cost;
+  the boundary micro-batch plus ``step()`` minus it is the step's cost. From each is
   subtracted what :func:`steptime.predict` already prices for that model (its compute from the planner's own
-  trace of it, memory traffic, copies, the optimizer at the rates just measured); the rest, at two tensor
-  counts, is solved for ``micro_s + micro_tensor_s * tensors`` and ``step_s + step_tensor_s * tensors``
-  (least squares, clamped at 0). CPU: ``amp-fp32``, ``zero2-fp32`` (and ``zero2-bf16``, kept as
+  trace of it, memory traffic, copies, the optimizer at the rates just measured); the rest, over the three
+  models, is solved for ``micro_s + micro_tensor_s * tensors + micro_param_s * parameters`` and the same per
+  step (least squares, coefficients >= 0). CPU: ``amp-fp32``, ``zero2-fp32`` (and ``zero2-bf16``, kept as
   ``zero2@bf16``: DeepSpeed's bf16 path costs more), and the bf16 offload and FSDP profiles of the catalogue;
   GPU: the bf16 (or fp16 below compute capability 8) profiles. A family that cannot run here
   (DeepSpeed missing, its ops not built) is left out with the reason in ``measured["skipped"]``.
