@@ -85,8 +85,6 @@ from launcher.config import load_config
 from launcher.engines.deepspeed import restore_torch_functions
 from launcher.hardware import deepspeed_status, op_state, pin_memory_ok, probe, use_env_ninja
 from launcher.log import logger
-from launcher.memory.shape import count_params
-from launcher.memory.states import RunShape
 from launcher.memory.trace import measure_step
 from launcher.models import weight_dtype
 from launcher.paths import cache_root
@@ -147,8 +145,7 @@ class Sizes:
                    attention_gpu=(1, 4, 256, 64), memory_bytes=4 * MiB, memory_bytes_gpu=16 * MiB, copy_bytes=4 * MiB,
                    view_chain=16, step_depths=(1, 2), optimizer_params=256 * 1024, optimizer_params_gpu=1 * MiB,
                    optimizer_tensors=(32, 256), optimizer_steps=1, engine_depths=(1, 2), engine_wide=None,
-                   engine_steps=2,
-                   families=("amp",), deepspeed=False, disk_bytes=1 * MiB, in_step=False)
+                   engine_steps=2, families=("amp",), deepspeed=False, disk_bytes=1 * MiB, in_step=False)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -730,13 +727,9 @@ def _predicted(p, machine: Machine, depth: int, device: torch.device, pinned: bo
     """(per micro-batch, per step) seconds the step-time model gives the tiny model at ``depth`` (and ``hidden``)
     without any engine fixed cost, from the planner's own trace of it, its parameter tensors and parameters."""
 
-    config = _tiny_config(depth, hidden)
-    counts = count_params(config)
     cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
-    run = RunShape(config=config, counts=counts, device=device.type, capability=cap, precision=p.precision,
-                   seq_len=TINY_SEQ, global_batch=2, world=1, checkpointing=False, attn_implementation="sdpa",
-                   lora_r=0, lora_targets=("all-linear",), lora_dropout=0.0, quantize="none", optimizer="adamw",
-                   trust_remote_code=False)
+    run = stepcal.run_shape(_tiny_config(depth, hidden), p.precision, 2, TINY_SEQ, device.type, cap)
+    counts = run.counts
     est = planner._activations(run, planner._family(p), 1)
     t = predict(p, machine, ops=planner._ops(est, run), counts=counts, micro_batch=1, accumulation=2,
                 seq_len=TINY_SEQ, pinned=pinned)

@@ -73,16 +73,23 @@ def _matmul_flops(kind: str, shapes: list) -> int:
     return 2 * a[0] * a[1] * b[1]
 
 
-def _traced_ops(config, precision: str, batch: int, seq: int) -> dict:
-    """The planner's op record of this model's micro-batch (what the step-time model will price)."""
-    from launcher import planner
+def run_shape(config, precision: str, batch: int, seq: int, device: str = "cpu", capability: tuple = (0, 0)):
+    """The planner's view of a plain full fine-tune of ``config`` (one rank, no checkpointing, sdpa): what the
+    calibration's own models are traced and priced as."""
     from launcher.memory.shape import count_params
     from launcher.memory.states import RunShape
 
-    run = RunShape(config=config, counts=count_params(config), device="cpu", capability=(0, 0), precision=precision,
-                   seq_len=seq, global_batch=batch, world=1, checkpointing=False, attn_implementation="sdpa",
-                   lora_r=0, lora_targets=("all-linear",), lora_dropout=0.0, quantize="none", optimizer="adamw",
-                   trust_remote_code=False)
+    return RunShape(config=config, counts=count_params(config), device=device, capability=capability,
+                    precision=precision, seq_len=seq, global_batch=batch, world=1, checkpointing=False,
+                    attn_implementation="sdpa", lora_r=0, lora_targets=("all-linear",), lora_dropout=0.0,
+                    quantize="none", optimizer="adamw", trust_remote_code=False)
+
+
+def _traced_ops(config, precision: str, batch: int, seq: int) -> dict:
+    """The planner's op record of this model's micro-batch (what the step-time model will price)."""
+    from launcher import planner
+
+    run = run_shape(config, precision, batch, seq)
     return planner._ops(planner._activations(run, "amp", batch), run)
 
 
