@@ -74,7 +74,8 @@ def compare(cfg: Config, host_hw: Hardware, host: Machine, prices: dict[str, flo
     rows = []
     for name in gpus.names():
         spec = gpus.find(name)
-        p = planner.plan(cfg, gpus.hardware(spec, host_hw, ram_gib), world=world, machine=gpus.machine(spec, host))
+        p = planner.plan(cfg, gpus.hardware(spec, host_hw, ram_gib), world=world, machine=gpus.machine(spec, host),
+                         exact_rows=False)  # only each GPU's chosen row from exact traces
         c = p.chosen_plan
         price = prices.get(spec.name)
         hours = c.step_s * cfg.train.max_steps / 3600 if c is not None and c.step_s else None

@@ -399,7 +399,7 @@ def _head_problem(config, trust_remote_code: bool) -> str | None:
 
 
 def plan(cfg: Config, hw: Hardware, profiles: list[str] | None = None, *, world: int = 1,
-         machine: Machine | None = None) -> Plan:
+         machine: Machine | None = None, exact_rows: bool = True) -> Plan:
     """Plan every profile of the run's precision and choose the fastest one that fits.
 
     ``profiles``: plan only these; default: every profile of the run's precision (and the asked one).
@@ -408,6 +408,9 @@ def plan(cfg: Config, hw: Hardware, profiles: list[str] | None = None, *, world:
     reported, with why it cannot be chosen. ``world``: ranks of the run. ``machine``: the speeds that price
     each setting's step (:mod:`launcher.steptime`): then the fastest predicted setting that fits wins, over
     profiles, micro-batches and checkpointing; without it, speed ranks decide (as the catalogue orders them).
+    ``exact_rows=False`` (a plan per GPU of the catalogue): only the chosen row is planned from exact traces, the
+    others as the search sized them (micro-batches above 3 extrapolated from 2 and 3: their peaks can be low by
+    a percent or two), which saves most of the traces of a plan.
     """
     t0 = time.perf_counter()
     avail = availability.assess(cfg, hw)
@@ -431,9 +434,11 @@ def plan(cfg: Config, hw: Hardware, profiles: list[str] | None = None, *, world:
     for n in names:
         p = avail.profile(n)
         row, cands = _best_setting(_smallest_buckets(p, run), run, cfg, asked, gpu_budget, cpu_budget,
-                                   avail.why_not(n), machine, pinned)
-        searched.append((_grow_buckets(p, run, row, gpu_budget, cpu_budget, machine, pinned, cfg.train.max_steps),
-                         cands))
+                                   avail.why_not(n), machine, pinned, exact=exact_rows)
+        searched.append((_grow_buckets(p, run, row, gpu_budget, cpu_budget, machine, pinned, cfg.train.max_steps,
+                                       exact=exact_rows), cands))
+    if not exact_rows:
+        searched = _settle_chosen(searched, avail, run, gpu_budget, cpu_budget, machine, pinned, cfg.train.max_steps)
     rows = [row for row, _ in searched]
     if avail.user is not None:  # its explicit batch sizes, clipping and optimizer params against the run's
         r = rows[0]
@@ -454,7 +459,7 @@ def plan(cfg: Config, hw: Hardware, profiles: list[str] | None = None, *, world:
                budget={"gpu_bytes": gpu_budget, "cpu_bytes": cpu_budget, "gpu_source": sources["gpu"],
                        "cpu_source": sources["cpu"]},
                model=_model_summary(cfg, run), settings=_settings(cfg, run, avail.precision_reason),
-               assumptions=_assumptions(run, machine), activations=_activation_summary(run, rows, avail),
+               assumptions=_assumptions(run, machine), activations=_activation_summary(run, rows, avail, exact_rows),
                machine=machine.name if machine is not None else None,
                candidates=[{"profile": c.profile, "setting": c.setting, "micro_batch": c.micro_batch,
                             "checkpointing": c.checkpointing, "checkpoint_every": c.checkpoint_every,
@@ -486,7 +491,8 @@ def checkpoint_options(cfg: Config, layers: int) -> list[tuple[bool, int]]:
 
 
 def _best_setting(p: Profile, run: RunShape, cfg: Config, asked, gpu_budget: int, cpu_budget: int,
-                  blocked: str | None, machine: Machine | None, pinned: bool) -> tuple[ProfilePlan, list]:
+                  blocked: str | None, machine: Machine | None, pinned: bool,
+                  exact: bool = True) -> tuple[ProfilePlan, list]:
     """The fastest setting of profile ``p`` that fits (micro-batch x checkpointing), and every fitting setting
     tried. A profile that cannot run is shown at its first setting.
 
@@ -500,7 +506,10 @@ def _best_setting(p: Profile, run: RunShape, cfg: Config, asked, gpu_budget: int
     Activation offload (``memory.offload_activations``): ``on`` offloads in every setting; ``auto`` adds one
     setting after the one with the most recompute, the same with what it saves offloaded (the least GPU
     memory, and copies over PCIe that cost more than checkpointing's recompute), where there is a GPU to
-    offload from."""
+    offload from.
+
+    ``exact=False``: the row is the best candidate as the search priced it (micro-batches above 3 extrapolated,
+    see :func:`launcher.memory.trace.trace_at`), with the candidates fastest first for :func:`_settle`."""
     options = [(ck, k, run.offload_mode == "on") for ck, k in checkpoint_options(cfg, run.counts.num_layers)]
     if run.offload_mode == AUTO and run.device == "cuda":
         options.append((*options[-1][:2], True))  # the least GPU memory: offload on top of the most recompute
@@ -515,7 +524,7 @@ def _best_setting(p: Profile, run: RunShape, cfg: Config, asked, gpu_budget: int
         return (r.checkpointing, r.checkpoint_every if r.checkpointing else 1, r.offload_activations)
 
     def exactly(r: ProfilePlan) -> ProfilePlan:
-        return at(key(r), r.micro_batch, exact=True)
+        return at(key(r), r.micro_batch, exact=exact)
 
     if blocked:
         row = at(options[0], micros[0], exact=True)
@@ -545,11 +554,24 @@ def _best_setting(p: Profile, run: RunShape, cfg: Config, asked, gpu_budget: int
     # Priced: the fastest. Not priced: the least recompute, at the largest micro-batch that allows it. The
     # setting kept is planned again from exact traces; should it no longer fit, the next one is.
     ranked = sorted(fitting, key=lambda r: r.step_s) if machine is not None else fitting[::-1]
+    if not exact:
+        return ranked[0], ranked
+    best, r = _settle(p, run, ranked, gpu_budget, cpu_budget, **kw)
+    return best, ([best if c is r else c for c in fitting] if best.fits else [])
+
+
+def _settle(p: Profile, run: RunShape, ranked: list[ProfilePlan], gpu_budget: int, cpu_budget: int,
+            **kw) -> tuple[ProfilePlan, ProfilePlan]:
+    """The first of ``ranked`` (one profile's candidates, best first) that still fits when planned from exact
+    traces, and the candidate it was; the last one tried when none does. The planner's search sizes
+    candidates from extrapolated traces; only what it keeps is traced exactly."""
     for r in ranked:
-        best = exactly(r)
+        shape = dataclasses.replace(run, checkpointing=r.checkpointing, checkpoint_every=r.checkpoint_every,
+                                    offload_activations=r.offload_activations)
+        best = _plan_profile(p, shape, r.micro_batch, gpu_budget, cpu_budget, exact=True, **kw)
         if best.fits:
-            return best, [best if c is r else c for c in fitting]
-    return best, []
+            return best, r
+    return best, r
 
 
 def _bucket_choice(p: Profile, run: RunShape) -> bool:
@@ -565,7 +587,7 @@ def _smallest_buckets(p: Profile, run: RunShape) -> Profile:
 
 
 def _grow_buckets(p: Profile, run: RunShape, row: ProfilePlan, gpu_budget: int, cpu_budget: int,
-                  machine: Machine | None, pinned: bool, max_steps: int) -> ProfilePlan:
+                  machine: Machine | None, pinned: bool, max_steps: int, exact: bool = True) -> ProfilePlan:
     """The chosen setting of ``p`` with the largest gradient bucket that still fits: all trainable gradients in
     one bucket up to DeepSpeed's 5e8 (:func:`launcher.profiles.bucket_sizes`), else the largest halving of it
     that fits, down to hidden**2. Not priced by the step-time model: on one rank a bucket is a fixed cost per
@@ -578,13 +600,37 @@ def _grow_buckets(p: Profile, run: RunShape, row: ProfilePlan, gpu_budget: int, 
     shape = dataclasses.replace(run, checkpointing=row.checkpointing, checkpoint_every=row.checkpoint_every)
     while size > h2:
         bigger = _plan_profile(dataclasses.replace(p, reduce_bucket_size=size), shape, row.micro_batch, gpu_budget,
-                               cpu_budget, machine=machine, pinned=pinned, max_steps=max_steps)
+                               cpu_budget, machine=machine, pinned=pinned, max_steps=max_steps, exact=exact)
         if bigger.fits:
             bigger.reduce_bucket_size = size
             return bigger
         size //= 2
     row.reduce_bucket_size = h2
     return row
+
+
+def _settle_chosen(searched: list, avail: Availability, run: RunShape, gpu_budget: int, cpu_budget: int,
+                   machine: Machine | None, pinned: bool, max_steps: int) -> list:
+    """``searched`` (row, candidates fastest first) per profile, as :func:`_best_setting` leaves them with
+    ``exact=False``, with the row that wins planned again from exact traces; should it no longer fit, that
+    profile's next candidate, then the next profile's."""
+    kw = dict(machine=machine, pinned=pinned, max_steps=max_steps)
+
+    def order(i: int) -> tuple:
+        r = searched[i][0]
+        tie = availability.rank_key(avail.profile(r.profile))
+        return (r.step_s, tie) if machine is not None and r.step_s is not None else (tie, not r.checkpointing)
+
+    out = list(searched)
+    for i in sorted((i for i, (r, _) in enumerate(searched) if r.available and r.fits), key=order):
+        row, cands = searched[i]
+        p = avail.profile(row.profile)
+        best, _ = _settle(_smallest_buckets(p, run), run, cands, gpu_budget, cpu_budget, **kw)
+        best = _grow_buckets(p, run, best, gpu_budget, cpu_budget, exact=True, **kw)
+        out[i] = (best, cands if best.fits else [])
+        if best.fits:
+            break
+    return out
 
 
 def _nth(k: int) -> str:
@@ -656,7 +702,7 @@ def _assumptions(run: RunShape, machine: Machine | None = None) -> dict:
             "loop_keeps_only_the_loss_through_backward": True}
 
 
-def _activation_summary(run: RunShape, rows: list[ProfilePlan], avail: Availability) -> dict:
+def _activation_summary(run: RunShape, rows: list[ProfilePlan], avail: Availability, exact: bool = True) -> dict:
     out = {}
     for r in rows:
         if r.lower_bound:
@@ -665,7 +711,7 @@ def _activation_summary(run: RunShape, rows: list[ProfilePlan], avail: Availabil
         key = f"{fam}@{r.micro_batch}"
         if key in out:
             continue
-        est = _activations(run, fam, r.micro_batch)
+        est = _activations(run, fam, r.micro_batch, exact)
         s = est.settings
         out[key] = {"micro_batch": r.micro_batch, "seq_len": run.seq_len, "attention_kernel": s.attention_kernel,
                     "autocast": None if s.autocast_dtype is None else str(s.autocast_dtype).replace("torch.", ""),

@@ -15,8 +15,9 @@ steps:
   of the **matmul curve**; the fused attention kernels' self time over the FLOPs the planner's trace counts
   for them gives the **attention rate**;
 * what is left of the step's wall time (elementwise ops, casts, views, autograd, transformers' Python) is
-  solved, over the five steps, for a **fixed cost per kernel op**, an **elementwise rate** (bytes per
-  second) and a **cost paid once per forward + backward**, with the kernel ops, view ops and bytes counted
+  split (:func:`fit_step_costs`) into a **fixed cost per kernel op** and a **cost paid once per forward +
+  backward** (from the smallest model at its two depths) and an **elementwise rate** (bytes per second, the
+  median over the larger steps), with the kernel ops, view ops and bytes counted
   by the planner's own trace of the same models: the same records the step-time model prices, so nothing is
   counted twice or left out. The engines' own passes over gradients and weights are priced at that
   elementwise rate too (they run between the step's ops).
@@ -182,6 +183,29 @@ def nonneg_lstsq(rows: list[list[float]], ys: list[float]) -> list[float]:
     return best
 
 
+def fit_step_costs(rows: list, floor_per_byte: float) -> tuple[float, float, float]:
+    """(seconds per kernel op, seconds per byte, seconds once per step) from ``rows`` of ([kernel ops, bytes,
+    1], seconds left of the step), each unknown from the steps it dominates (a joint least-squares fit of the
+    three was ill-conditioned: the per-op cost came out at 0 in one calibration and 16 us in the next):
+
+    * the two steps that touch the fewest bytes (the smallest model at two depths) differ almost only in their
+      op count: their difference is the cost of an op, and what the shallower one has left the cost paid once
+      (the bytes of both priced at ``floor_per_byte``, the looped streaming rate, then again at the per-byte
+      cost found);
+    * every other step then gives a cost per byte for what it has left; the median is kept, never below the
+      floor (an elementwise op does not run faster than memory streams)."""
+    by_bytes = sorted(rows, key=lambda r: r[0][1])
+    (k1, b1, _), y1 = by_bytes[0]
+    (k2, b2, _), y2 = by_bytes[1]
+    per_byte = floor_per_byte
+    for _ in range(2):  # then once more, with the small steps' few bytes at the per-byte cost found
+        op_s = max(0.0, (y2 - y1 - (b2 - b1) * per_byte) / (k2 - k1)) if k2 != k1 else 0.0
+        once = max(0.0, y1 - k1 * op_s - b1 * per_byte)
+        per = [(y - k * op_s - once) / b for (k, b, _), y in by_bytes[2:] if b > 0]
+        per_byte = max(floor_per_byte, statistics.median(per)) if per else floor_per_byte
+    return op_s, per_byte, once
+
+
 def _curve(points: list[list[float]], looped: list[list[float]]) -> list[list[float]]:
     """The in-step (FLOPs, FLOP/s) points, one per FLOP count (median rate), then the looped curve's
     points above the largest in-step one, scaled to meet it (a bigger matmul than any step here ran gains
@@ -238,12 +262,7 @@ def measure(work, view_s: float, raw: dict, skipped: dict, *, steps: int = 6, pr
         out["matmul"][dtype_name] = _curve(points, work.matmul.get(dtype_name, []))
         if att_s > 0 and att_flops > 0:
             out["attention"][dtype_name] = att_flops / att_s
-        # Relative errors: each step counts alike (absolute ones would leave the small models to the large one).
-        op_s, per_byte, once = nonneg_lstsq([[v / y for v in r] for r, y in rows], [1.0] * len(rows))
-        floor = 1 / work.memory_bytes_per_s  # an elementwise op is never faster than memory streams
-        if per_byte < floor:
-            per_byte = floor
-            op_s, once = nonneg_lstsq([[r[0] / y, 1 / y] for r, y in rows], [1 - r[1] * per_byte / y for r, y in rows])
+        op_s, per_byte, once = fit_step_costs(rows, 1 / work.memory_bytes_per_s)
         out["step_costs"][precision] = {"op_s": op_s, "bytes_per_s": 1 / per_byte, "micro_s": once}
         samples[f"{precision}_fit"] = out["step_costs"][precision]
         logger.info(f"calibrate: in-step {precision}: {len(points)} matmul shapes, op {op_s * 1e6:.3g} us, "

@@ -185,3 +185,19 @@ def test_the_docs_page_carries_the_catalogue():
     body = text.split("<!-- gpus:start -->\n", 1)[1].split("\n<!-- gpus:end -->", 1)[0]
     assert body == gpus.markdown_table(), ("docs/gpus.md: the table differs from launcher/gpus.py; fix: paste the output "
                                            "of python -c 'from launcher import gpus; print(gpus.markdown_table())'")
+
+
+@pytest.mark.parametrize("gpu,budget", [("RTX 3090", None), ("T4", 0.6), ("T4", 0.58)])
+def test_a_plan_per_gpu_keeps_the_exact_plans_choice(host_hw, gpu, budget):
+    """`--compare-gpus` plans every card with only the chosen row from exact traces (exact_rows=False): it
+    chooses what the full plan chooses, with the same exact row (tight budgets make the search checkpoint every
+    2nd layer, then every layer)."""
+    spec = gpus.find(gpu)
+    over = [f"memory.gpu_budget={budget}"] if budget else []
+    cfg = load_config(None, ["model.name=tiny", "data.seq_len=512", "train.global_batch_size=8", *over])
+    hw, m = gpus.hardware(spec, host_hw, 32), gpus.machine(spec, fake_host())
+    full, lazy = planner.plan(cfg, hw, machine=m), planner.plan(cfg, hw, machine=m, exact_rows=False)
+    assert lazy.chosen == full.chosen
+    a, b = full.chosen_plan, lazy.chosen_plan
+    assert (b.setting, b.micro_batch, b.gpu_bytes, b.cpu_bytes, b.step_s) == \
+        (a.setting, a.micro_batch, a.gpu_bytes, a.cpu_bytes, a.step_s)

@@ -51,3 +51,17 @@ def test_a_measured_step_is_priced_back_near_its_time():
     ops = stepcal._traced_ops(stepcal._config(refs[1]), "fp32", 1, 32)
     predicted = op_seconds(ops, rates, host_bound=False, precision="fp32")[0]
     assert deep["step_s"] / 1.5 < predicted < deep["step_s"] * 1.5
+
+
+def test_step_costs_come_apart_from_the_steps_each_dominates():
+    """Steps made from known costs (4 us an op, 2 ms once, 10 GB/s) give them back; a step dearer per byte than
+    the others moves the per-byte cost only as far as the median does, and a cost per byte below the
+    streaming floor is raised to it."""
+    op_s, once, per_byte = 4e-6, 2e-3, 1e-10
+    shapes = [(150, 1e6), (500, 2e6), (270, 6e7), (270, 3e8), (270, 7e8)]
+    rows = [([float(k), b, 1.0], k * op_s + once + b * per_byte) for k, b in shapes]
+    found = stepcal.fit_step_costs(rows, floor_per_byte=1e-11)
+    assert found == pytest.approx((op_s, per_byte, once), rel=0.02)
+    rows[-1] = (rows[-1][0], rows[-1][1] * 3)  # one slow large step
+    assert stepcal.fit_step_costs(rows, 1e-11)[1] < 1.5 * per_byte
+    assert stepcal.fit_step_costs(rows, floor_per_byte=1e-9)[1] == 1e-9
