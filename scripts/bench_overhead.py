@@ -1,10 +1,13 @@
 """vramfit's AMP path against a minimal hand-written torch loop: same model, batches, optimizer, schedule.
 
-    python scripts/bench_overhead.py [--steps 60] [--repeats 3] [key=value ...] [--json OUT]
+    python scripts/bench_overhead.py [--steps 60] [--repeats 3] [--variant K=V,K=V ...] [key=value ...] [--json OUT]
 
 Both train the demo's tiny Llama on the synthetic task for the same steps; the first 5 steps of each
 are warm-up and not timed. Runs alternate (bare, vramfit, bare, ...) so that a busy machine slows both
 alike; the median tokens/s of each is compared. Target: vramfit >= 0.99x the bare loop.
+
+``--variant``: one more vramfit loop per use, with these overrides on top, in the same alternation: what a
+part of the loop costs (e.g. ``--variant log.memory_interval_s=0`` runs without the memory monitor's thread).
 """
 
 from __future__ import annotations
@@ -79,6 +82,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads of both loops (default: torch's)")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="comma-separated overrides for one more vramfit loop (repeat for more)")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     # Both loops at the same thread count (torch's default, one per core, unless --threads): this measures the
@@ -90,17 +95,25 @@ def main() -> int:
     cfg = load_config(None, overrides)
     torch.manual_seed(0)
     bare, ours = [], []
+    variants = {v: [] for v in a.variant}
     for i in range(a.repeats):
         bare.append(bare_loop(cfg))
         ours.append(vramfit_loop(overrides))
-        print(f"repeat {i + 1}: bare {bare[-1]:.0f} tok/s, vramfit {ours[-1]:.0f} tok/s", flush=True)
+        for v, got in variants.items():
+            got.append(vramfit_loop([*overrides, *v.split(",")]))
+        more = "".join(f", {v} {got[-1]:.0f}" for v, got in variants.items())
+        print(f"repeat {i + 1}: bare {bare[-1]:.0f} tok/s, vramfit {ours[-1]:.0f} tok/s{more}", flush=True)
     b, v = statistics.median(bare), statistics.median(ours)
     result = {"bare_tokens_per_s": b, "vramfit_tokens_per_s": v, "ratio": v / b, "repeats": a.repeats,
               "steps": a.steps, "timed_steps": a.steps - WARMUP, "overrides": overrides,
               "torch": torch.__version__, "threads": torch.get_num_threads(), "all_bare": bare, "all_vramfit": ours,
+              "variants": {k: {"tokens_per_s": statistics.median(got), "ratio": statistics.median(got) / b,
+                               "all": got} for k, got in variants.items()},
               "load_average": list(os.getloadavg())}
-    print(f"\n| loop | tokens/s (median of {a.repeats}) |\n| --- | --- |\n| bare torch | {b:.0f} |\n"
-          f"| vramfit AMP | {v:.0f} |\n\nratio vramfit / bare = {v / b:.3f} (target >= 0.99)")
+    rows = "".join(f"| vramfit AMP, {k} | {statistics.median(got):.0f} | {statistics.median(got) / b:.3f} |\n"
+                   for k, got in variants.items())
+    print(f"\n| loop | tokens/s (median of {a.repeats}) | / bare |\n| --- | --- | --- |\n| bare torch | {b:.0f} | 1 |\n"
+          f"| vramfit AMP | {v:.0f} | {v / b:.3f} |\n{rows}\nratio vramfit / bare = {v / b:.3f} (target >= 0.99)")
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         json.dump(result, open(a.json, "w"), indent=2)
