@@ -511,8 +511,7 @@ def _best_setting(p: Profile, run: RunShape, cfg: Config, asked, gpu_budget: int
     ``exact=False``: the row is the best candidate as the search priced it (micro-batches above 3 extrapolated,
     see :func:`launcher.memory.trace.trace_at`), with the candidates fastest first for :func:`_settle`."""
     options = [(ck, k, run.offload_mode == "on") for ck, k in checkpoint_options(cfg, run.counts.num_layers)]
-    extra = run.offload_mode == AUTO and run.device == "cuda"
-    if extra:
+    if run.offload_mode == AUTO and run.device == "cuda":
         options.append((*options[-1][:2], True))  # the least GPU memory: offload on top of the most recompute
     micros = _micro_batch_candidates(run, asked)
     kw = dict(machine=machine, pinned=pinned, max_steps=cfg.train.max_steps)
@@ -532,13 +531,9 @@ def _best_setting(p: Profile, run: RunShape, cfg: Config, asked, gpu_budget: int
         row.available = False
         row.why_not = blocked if row.why_not is None else f"{blocked}; {row.why_not}"
         return row, []
-    # With offload_activations=auto the last option is the one before it plus offload, which is never faster:
-    # it is only traced where the one before it does not fit (a step's traces are most of a plan's time).
     first, fitting, least = None, [], len(options)
     for b in micros:
-        most = at(options[-2], b) if extra else None
-        if most is None or not most.fits:
-            most = at(options[-1], b)  # the most recompute: if this does not fit, nothing does at this micro-batch
+        most = at(options[-1], b)  # the most recompute: if this does not fit, nothing does at this micro-batch
         first = first or most
         if not most.fits:
             continue
