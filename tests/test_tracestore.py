@@ -8,6 +8,7 @@ import gzip
 import json
 import os
 
+import pytest
 import torch
 from transformers import LlamaConfig
 
@@ -85,6 +86,7 @@ def test_unwritable_cache_never_stops_a_plan(tmp_path):
         fresh(None)
 
 
+@pytest.mark.slow  # three CLI plans
 def test_second_plan_traces_nothing(tmp_path):
     env = {"VRAMFIT_CACHE": str(tmp_path / "cache")}
     args = ("plan", "model.name=tiny", "device=cpu", "data.seq_len=64", "--json")

@@ -21,6 +21,7 @@ def calibrated(tmp_path_factory):
     return env
 
 
+@pytest.mark.slow  # with the calibration they share, a third of a minute
 def test_plan_for_a_gpu_that_is_not_here(calibrated):
     r = run_cli("plan", "model.name=tiny", "lora.r=16", "data.seq_len=256", "memory.cpu_budget=32", "--gpu", "T4",
                 "--json", env=calibrated)
@@ -33,6 +34,7 @@ def test_plan_for_a_gpu_that_is_not_here(calibrated):
     assert plan["budget"]["gpu_bytes"] < 15 * 2**30 and "T4" in plan["budget"]["gpu_source"]
 
 
+@pytest.mark.slow  # with the calibration they share, a third of a minute
 def test_compare_gpus_with_prices(calibrated):
     r = run_cli("plan", "model.name=tiny", "lora.r=16", "data.seq_len=256", "memory.cpu_budget=32",
                 "--compare-gpus", "--price", "T4=0.35,L4=0.80", env=calibrated)
