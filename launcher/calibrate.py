@@ -91,7 +91,6 @@ from launcher.paths import cache_root
 from launcher.precision import supports_bf16, supports_fp16
 from launcher.profiles import PROFILES
 from launcher.resolve import RunSpec
-from launcher.stepcal import nonneg_lstsq
 from launcher.steptime import Machine, Rates, op_seconds, predict
 
 FORMAT = 2  # of the cache file; another value is measured again
@@ -147,6 +146,26 @@ class Sizes:
                    optimizer_tensors=(32, 256), optimizer_steps=1, engine_depths=(1, 2), engine_wide=None,
                    engine_steps=2, families=("amp",), deepspeed=False, disk_bytes=1 * MiB, in_step=False)
 
+
+def nonneg_lstsq(rows: list[list[float]], ys: list[float]) -> list[float]:
+    """Least squares with every coefficient >= 0: the best over the subsets of unknowns whose solution is >= 0."""
+    import itertools
+
+    best, best_err = [0.0] * len(rows[0]), float("inf")
+    n = len(rows[0])
+    for keep in itertools.chain.from_iterable(itertools.combinations(range(n), k) for k in range(1, n + 1)):
+        a = torch.tensor([[r[i] for i in keep] for r in rows], dtype=torch.float64)
+        y = torch.tensor(ys, dtype=torch.float64).unsqueeze(1)
+        x = torch.linalg.lstsq(a, y).solution.squeeze(1).tolist()
+        if any(v < 0 for v in x):
+            continue
+        coef = [0.0] * n
+        for i, v in zip(keep, x):
+            coef[i] = v
+        err = sum((sum(c * r[i] for i, c in enumerate(coef)) - yy) ** 2 for r, yy in zip(rows, ys))
+        if err < best_err:
+            best, best_err = coef, err
+    return best
 
 # ------------------------------------------------------------------------------------------------
 # The cache

@@ -162,27 +162,6 @@ def _measure(ref: dict, precision: str, steps: int, profiled: int) -> dict:
             "matmul_calls": [[f, s] for f, s in matmuls.values()]}
 
 
-def nonneg_lstsq(rows: list[list[float]], ys: list[float]) -> list[float]:
-    """Least squares with every coefficient >= 0: the best over the subsets of unknowns whose solution is >= 0."""
-    import itertools
-
-    best, best_err = [0.0] * len(rows[0]), float("inf")
-    n = len(rows[0])
-    for keep in itertools.chain.from_iterable(itertools.combinations(range(n), k) for k in range(1, n + 1)):
-        a = torch.tensor([[r[i] for i in keep] for r in rows], dtype=torch.float64)
-        y = torch.tensor(ys, dtype=torch.float64).unsqueeze(1)
-        x = torch.linalg.lstsq(a, y).solution.squeeze(1).tolist()
-        if any(v < 0 for v in x):
-            continue
-        coef = [0.0] * n
-        for i, v in zip(keep, x):
-            coef[i] = v
-        err = sum((sum(c * r[i] for i, c in enumerate(coef)) - yy) ** 2 for r, yy in zip(rows, ys))
-        if err < best_err:
-            best, best_err = coef, err
-    return best
-
-
 def fit_step_costs(rows: list, floor_per_byte: float) -> tuple[float, float, float]:
     """(seconds per kernel op, seconds per byte, seconds once per step) from ``rows`` of ([kernel ops, bytes,
     1], seconds left of the step), each unknown from the steps it dominates (a joint least-squares fit of the
