@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import glob
+import gzip
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -43,6 +45,19 @@ def run(cache: str, job: list[str]) -> tuple[float, str]:
     return dt, p.stdout
 
 
+def kept_kinds(files: list[str]) -> dict[str, int]:
+    """Kept traces counted by micro-batch; above 3, 'exact' (a setting kept, traced exactly) apart from
+    'direct' (the search's, traced because extrapolating from micro-batches 2 and 3 did not apply). The key
+    kept in each file ends with the micro-batch (in its TraceSettings) and whether it was asked exactly."""
+    out: dict[str, int] = {}
+    for f in files:
+        key = json.load(gzip.open(f))["key"]
+        batch = int(re.search(r"batch_size=(\d+)", key).group(1))
+        kind = str(batch) if batch <= 3 else f"{batch} {'exact' if key.rstrip(')').endswith('True') else 'direct'}"
+        out[kind] = out.get(kind, 0) + 1
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=2, help="cold and warm runs each (cold: an empty trace cache)")
@@ -53,7 +68,7 @@ def main() -> int:
     machines = glob.glob(os.path.join(cache_root(), "machine-*.json"))
     if not machines:
         raise SystemExit("no calibration of this machine: run `vramfit doctor --calibrate` first")
-    cold, warm, traces, size, table = [], [], 0, 0, ""
+    cold, warm, traces, size, table, kinds = [], [], 0, 0, "", {}
     for _ in range(a.repeats):
         with tempfile.TemporaryDirectory() as cache:
             for m in machines:
@@ -62,18 +77,21 @@ def main() -> int:
             cold.append(dt)
             files = glob.glob(os.path.join(cache, "traces", "*.json.gz"))
             traces, size = len(files), sum(os.path.getsize(f) for f in files)
+            kinds = kept_kinds(files)
             dt, again = run(cache, job)
             warm.append(dt)
             if again != table:
                 raise SystemExit("the plan read from kept traces differs from the traced one")
     result = {"job": job, "cold_s": cold, "warm_s": warm, "cold_median_s": statistics.median(cold),
               "warm_median_s": statistics.median(warm), "traces_kept": traces, "trace_bytes": size,
+              "traces_by_kind": kinds,
               "cpus": os.cpu_count(), "load_average": list(os.getloadavg())}
     md = (f"`vramfit plan {' '.join(job)} --compare-gpus`, {os.cpu_count()} CPUs, each run its own process\n\n"
           f"| trace cache | wall s (each run) | median |\n| --- | --- | --- |\n"
           f"| empty | {', '.join(f'{x:.1f}' for x in cold)} | {result['cold_median_s']:.1f} |\n"
           f"| filled by the run before | {', '.join(f'{x:.1f}' for x in warm)} | {result['warm_median_s']:.1f} |\n\n"
-          f"traces kept: {traces} files, {size / 2**20:.2f} MiB\n\n```\n{table}```\n")
+          f"traces kept: {traces} files, {size / 2**20:.2f} MiB; by micro-batch: "
+          + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())) + f"\n\n```\n{table}```\n")
     print(md)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
