@@ -305,6 +305,78 @@ def _record_attention(q, k, v, causal: bool, backward: bool) -> None:
 OFFLOADED = "offloaded"  # the tracker's category for CPU copies of saved activations
 
 
+# ------------------------------------------------------------------------------------------------
+# Meta results, remembered
+#
+# On the meta device an op computes only its outputs' shapes, strides and dtypes, and for most ops it does so
+# in Python (torch._refs and torch._meta_registrations): over half of a trace's time. Those outputs depend
+# on nothing but the op and its arguments' metadata, and a traced step repeats the same few dozen
+# (op, shapes) pairs layer after layer, in recompute, and across the planner's traces of one model. So a
+# functional op's outputs are remembered per (op, argument metadata) and made again as fresh meta storages
+# of the same layout; FakeTensorMode keeps a cache of the same kind (torch/_subclasses/fake_tensor.py,
+# ``_cache_key``) and bypasses it for the same ops: views, in-place and ``out=`` ops, anything not on meta.
+
+class _Uncacheable(Exception):
+    pass
+
+
+_SIG_TAG = object()  # marks a tensor's metadata in a key (a tuple of ints could look like a shape)
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _sig(x):
+    if isinstance(x, torch.Tensor):
+        if not x.is_meta or type(x) is not torch.Tensor and not isinstance(x, nn.Parameter):
+            raise _Uncacheable
+        return (_SIG_TAG, tuple(x.shape), x.stride(), x.dtype)
+    if isinstance(x, (list, tuple)):
+        return tuple(_sig(y) for y in x)
+    if isinstance(x, _PLAIN):
+        return (type(x), x)  # 1, 1.0 and True hash alike: the type keeps them apart
+    raise _Uncacheable
+
+
+def _functional(func) -> bool:
+    """No output aliases an input and nothing is written in place (views, ``add_``, ``out=`` variants)."""
+    schema = func._schema
+    return not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
+
+
+def _meta_nbytes(shape, stride, dtype) -> int:
+    if any(n == 0 for n in shape):
+        return 0
+    return (1 + sum((n - 1) * st for n, st in zip(shape, stride))) * dtype.itemsize
+
+
+def _out_spec(out, ins: set[int]):
+    """How to make ``out`` again, or _Uncacheable when it is not a set of fresh, distinct, dense meta storages."""
+    if isinstance(out, torch.Tensor):
+        st = out.untyped_storage()
+        shape, stride = tuple(out.shape), out.stride()
+        if (not out.is_meta or type(out) is not torch.Tensor or out.storage_offset() or st._cdata in ins
+                or st.nbytes() != _meta_nbytes(shape, stride, out.dtype)):
+            raise _Uncacheable
+        ins.add(st._cdata)  # two outputs sharing a storage are not fresh either
+        return (_SIG_TAG, shape, stride, out.dtype)
+    if isinstance(out, (list, tuple)):
+        return type(out), tuple(_out_spec(y, ins) for y in out)
+    if isinstance(out, (int, float, bool, type(None))):
+        return out
+    raise _Uncacheable
+
+
+def _make(spec):
+    if isinstance(spec, tuple) and len(spec) == 4 and spec[0] is _SIG_TAG:
+        return torch.empty_strided(spec[1], spec[2], dtype=spec[3], device="meta")
+    if isinstance(spec, tuple) and len(spec) == 2 and spec[0] in (list, tuple):
+        return spec[0](_make(s) for s in spec[1])
+    return spec
+
+
+_META_RESULTS: dict = {}  # (op, argument metadata) -> (output spec, OpKey); None: not cacheable
+_FUNCTIONAL: dict = {}  # op -> _functional(op)
+
+
 class _Tracker(TorchDispatchMode):
     """Live bytes of every storage created while active, by the category current at its creation."""
 
@@ -323,12 +395,36 @@ class _Tracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        outs = _tensors(out)
+        functional = _FUNCTIONAL.get(func)
+        if functional is None:
+            functional = _FUNCTIONAL[func] = _functional(func)
+        key = None
+        if functional:
+            try:
+                key = (func, _sig(args), _sig(tuple(kwargs.items())))
+            except _Uncacheable:
+                pass
+        hit = _META_RESULTS.get(key) if key is not None else None
+        if hit is not None:
+            out = _make(hit[0])
+            outs = _tensors(out)
+            op = hit[1]
+        else:
+            out = func(*args, **kwargs)
+            outs = _tensors(out)
+            op = _op_key(func, args, kwargs, out, outs) if func.overloadpacket not in _NO_KERNEL else None
+            if key is not None and key not in _META_RESULTS:
+                try:
+                    _META_RESULTS[key] = (_out_spec(out, {t.untyped_storage()._cdata for t in _tensors((args, kwargs))}),
+                                          op)
+                except _Uncacheable:
+                    _META_RESULTS[key] = None
+                if len(_META_RESULTS) > 200_000:
+                    _META_RESULTS.clear()
         for t in outs:
             self.track(t)
-        if func.overloadpacket not in _NO_KERNEL:
-            self.op_list.append(_op_key(func, args, kwargs, out, outs))
+        if op is not None:
+            self.op_list.append(op)
         return out
 
     def track(self, t: torch.Tensor, category: str | None = None):
@@ -508,11 +604,29 @@ def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: t
     ignore = {p.untyped_storage()._cdata for p in model.parameters()}
     ignore |= {b.untyped_storage()._cdata for b in model.buffers()}
     tracker = _Tracker(ignore)
-    cast_keys: dict[int, int] = {}
+    # Storages are told apart by address (``_cdata``), which a later storage can reuse once one dies (an
+    # offloaded activation, a recompute's weight cast): each key is dropped when its storage dies, so a
+    # reused address counts again and the totals do not depend on the allocator.
+    refs: dict[int, weakref.ref] = {}
+
+    def remember(keys, st):
+        key = st._cdata
+
+        def dead(_ref):
+            refs.pop(key, None)
+            keys.discard(key)
+
+        refs[key] = weakref.ref(st, dead)
+        keys.add(key)
+
+    cast_keys: set[int] = set()
+    cast_bytes = [0]
 
     def on_cast(t):
         st = t.untyped_storage()
-        cast_keys[st._cdata] = st.nbytes()
+        if st._cdata not in cast_keys:
+            cast_bytes[0] += st.nbytes()
+            remember(cast_keys, st)
         tracker.reclassify(t, "autocast_cache")
 
     fmode = _FunctionMode(emulate, autocast_policy, attention_kernel, target, on_cast)
@@ -529,7 +643,7 @@ def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: t
         st = t.untyped_storage()
         key = st._cdata
         if key not in ignore and key not in cast_keys and key not in saved_keys:
-            saved_keys.add(key)
+            remember(saved_keys, st)
             saved[state["region"] if state["phase"] == "forward" else "backward"] += st.nbytes()
         return t
 
@@ -661,7 +775,7 @@ def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: t
             layer._gradient_checkpointing_func = layer._gradient_checkpointing_func.args[0]
     grads = {p.grad.untyped_storage()._cdata: p.grad.untyped_storage().nbytes()
              for p in model.parameters() if p.grad is not None}
-    autocast_cache = sum(cast_keys.values())
+    autocast_cache = cast_bytes[0]
     segments = {k: {"peak": v[0], "parts": v[1], "peak_with_grads": v[2], "parts_with_grads": v[3]}
                 for k, v in tracker.segments.items()}
     return StepTrace(saved=dict(saved), autocast_cache=autocast_cache, segments=segments,
