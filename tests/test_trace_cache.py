@@ -1,0 +1,56 @@
+"""The meta trace's op-result cache and its storage bookkeeping: a trace is the same with the cache off, filling
+and hit, and the same every time (no dependence on which addresses the allocator hands out)."""
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+import launcher.memory.trace as T
+
+CFG = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  num_hidden_layers=3, vocab_size=256)
+BASE = T.TraceSettings(batch_size=2, seq_len=32)
+VARIANTS = {
+    "plain": {},
+    "lora-autocast-flash": dict(param_dtype=torch.bfloat16, adapter_dtype=torch.float32,
+                                autocast_dtype=torch.bfloat16, lora_r=8, attention_kernel="flash"),
+    "every-2nd-efficient": dict(gradient_checkpointing=True, checkpoint_every=2, param_dtype=torch.bfloat16,
+                                attention_kernel="efficient"),
+    "ckpt-offload-chunked": dict(gradient_checkpointing=True, offload_activations=True, chunked_loss=True,
+                                 autocast_dtype=torch.bfloat16),
+    "offload-packed-dropout": dict(offload_activations=True, packed=True, lora_r=4, lora_dropout=0.1),
+}
+
+
+def _trace(s: T.TraceSettings, cache: bool, monkeypatch) -> dict:
+    with monkeypatch.context() as m:
+        if not cache:
+            m.setattr(T, "_functional", lambda func: False)
+            m.setattr(T, "_FUNCTIONAL", {})
+        d = T.trace_depth(CFG, 2, s).to_dict()
+    d.pop("seconds")
+    return d
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_the_op_cache_changes_nothing(name, monkeypatch):
+    s = dataclasses.replace(BASE, **VARIANTS[name])
+    monkeypatch.setattr(T, "_META_RESULTS", {})
+    monkeypatch.setattr(T, "_FUNCTIONAL", {})
+    plain = _trace(s, False, monkeypatch)
+    filling = _trace(s, True, monkeypatch)
+    assert T._META_RESULTS, "nothing was cached"
+    hit = _trace(s, True, monkeypatch)
+    assert plain == filling == hit
+
+
+def test_saved_bytes_do_not_depend_on_the_allocator(monkeypatch):
+    """With activation offload every saved tensor dies in the forward (its CPU copy stays), so later
+    storages reuse its address; each is still counted once."""
+    s = dataclasses.replace(BASE, **VARIANTS["offload-packed-dropout"])
+    runs = [_trace(s, False, monkeypatch)["saved"] for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2]
+    plain = _trace(dataclasses.replace(s, offload_activations=False), False, monkeypatch)["saved"]
+    assert runs[0] == plain  # offloading moves what is saved, not what is saved
