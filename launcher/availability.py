@@ -15,8 +15,9 @@ FSDP or AMP can run a profile on this machine with these settings.
 
 from __future__ import annotations
 
-import importlib
+import functools
 import importlib.util
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -100,9 +101,16 @@ def profile_problem(p: Profile, cfg: Config, hw: Hardware, device: torch.device)
     return None
 
 
+@functools.cache
 def fsdp_available() -> bool:
-    return importlib.util.find_spec("torch.distributed.fsdp") is not None and hasattr(
-        importlib.import_module("torch.distributed.fsdp"), "fully_shard")
+    """torch.distributed.fsdp.fully_shard is there (torch 2.6 or newer, built with distributed), told by its
+    package's folder: importing torch.distributed.fsdp costs about a second, which every plan would pay for
+    a profile it may not choose (the engine imports it when it runs)."""
+    if not torch.distributed.is_available():
+        return False
+    spec = importlib.util.find_spec("torch.distributed")
+    return spec is not None and any(os.path.isdir(os.path.join(d, "fsdp", "_fully_shard"))
+                                    for d in spec.submodule_search_locations or ())
 
 
 def _asked_for(p: Profile, cfg: Config) -> bool:

@@ -389,3 +389,22 @@ def test_micro_batch_extrapolation(checkpointing, autocast, attn):
             assert got == seg["peak"] if autocast is None else 0.97 * seg["peak"] <= got <= seg["peak"]
     est = estimate_activations(cfg, TraceSettings(**{**s.__dict__, "batch_size": 8}), exact=True)
     assert est.peak == trace_depth(cfg, 2, TraceSettings(**{**s.__dict__, "batch_size": 8})).peak
+
+
+def test_chunked_loss_extrapolates_from_micro_batches_chunked_alike():
+    """The chunked loss's ops change with the micro-batch (its chunks are rows of the batch): micro-batch 8 comes
+    from 2 and 4, whose chunks are 8's scaled down, exactly; 6 has no two such below it and is traced."""
+    from launcher.memory.trace import _batch_bases, _batch_extrapolate
+
+    cfg = tiny_configs()["llama"]
+    s = TraceSettings(batch_size=8, seq_len=48, gradient_checkpointing=True, attention_kernel="flash",
+                      attn_implementation="sdpa", chunked_loss=True)
+    assert _batch_bases(cfg, s) == (2, 4)
+    assert _batch_bases(cfg, TraceSettings(**{**s.__dict__, "batch_size": 6})) is None
+    assert _batch_bases(cfg, TraceSettings(**{**s.__dict__, "chunked_loss": False})) == (2, 3)
+    at = {b: trace_depth(cfg, 2, TraceSettings(**{**s.__dict__, "batch_size": b})) for b in (2, 3, 4, 8)}
+    wrong = _batch_extrapolate(at[2], at[3], 8)  # 2 and 3 cut their rows differently (here into as many chunks)
+    assert wrong is None or wrong.ops != at[8].ops
+    ext = _batch_extrapolate(at[2], at[4], 8, (2, 4))
+    assert ext.ops == at[8].ops and ext.saved == at[8].saved
+    assert all(ext.segments[k]["peak"] == v["peak"] for k, v in at[8].segments.items())

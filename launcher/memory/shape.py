@@ -166,10 +166,22 @@ def _count_one(model: nn.Module, lora_r: int, lora_targets) -> dict:
 _COUNT_CACHE: dict = {}
 
 
+_KEYS: dict[int, tuple] = {}  # id(config) -> (config, its attributes when keyed, key)
+
+
 def config_key(config) -> str:
-    """A hashable identity of a transformers config (class and full JSON), for caches."""
+    """A hashable identity of a transformers config (class and full JSON), for caches. Remembered per config
+    object while its attributes stay equal: a plan asks for it hundreds of times, and the JSON costs a
+    millisecond each."""
+    hit = _KEYS.get(id(config))
+    if hit is not None and hit[0] is config and hit[1] == config.__dict__:
+        return hit[2]
     cls = type(config)
-    return f"{cls.__module__}.{cls.__qualname__}:" + config.to_json_string(use_diff=False)
+    key = f"{cls.__module__}.{cls.__qualname__}:" + config.to_json_string(use_diff=False)
+    if len(_KEYS) > 256:
+        _KEYS.clear()
+    _KEYS[id(config)] = (config, copy.deepcopy(config.__dict__), key)
+    return key
 
 
 def _count(config, lora_r: int, lora_targets: tuple, trust_remote_code: bool) -> ParamCounts:

@@ -901,7 +901,8 @@ def set_store(store) -> None:
 
 
 def trace_at(config, depth: int, s: TraceSettings, trust_remote_code: bool = False, exact: bool = True) -> StepTrace:
-    """:func:`trace_depth`, cached; with ``exact=False``, micro-batches above 3 from the traces of 2 and 3.
+    """:func:`trace_depth`, cached; with ``exact=False``, micro-batches above 3 from the traces of 2 and 3 (of
+    two others with the chunked loss: :func:`_batch_bases`).
 
     The ops of a decoder step are the same for any micro-batch above 1 and the FLOPs and bytes of each are
     linear in it (nothing mixes samples), so the step's op record at micro-batch ``b`` is the one at 2 plus
@@ -916,10 +917,11 @@ def trace_at(config, depth: int, s: TraceSettings, trust_remote_code: bool = Fal
     if _STORE is not None and (kept := _STORE.get(key)) is not None:
         _TRACES[key] = kept
         return kept
-    if s.batch_size > 3 and not exact:
-        two = trace_at(config, depth, dataclasses.replace(s, batch_size=2), trust_remote_code, exact)
-        three = trace_at(config, depth, dataclasses.replace(s, batch_size=3), trust_remote_code, exact)
-        out, traced = _batch_extrapolate(two, three, s.batch_size), False
+    bases = _batch_bases(config, s) if s.batch_size > 3 and not exact else None
+    if bases is not None:
+        one, two = (trace_at(config, depth, dataclasses.replace(s, batch_size=x), trust_remote_code, exact)
+                    for x in bases)
+        out, traced = _batch_extrapolate(one, two, s.batch_size, bases), False
         if out is None:  # the op sequences differ: trace it
             out, traced = trace_depth(config, depth, s, trust_remote_code), True
     else:
@@ -932,14 +934,33 @@ def trace_at(config, depth: int, s: TraceSettings, trust_remote_code: bool = Fal
     return out
 
 
-def _batch_extrapolate(one: StepTrace, two: StepTrace, b: int, base: int = 2) -> StepTrace | None:
-    """The trace at micro-batch ``b`` from those at ``base`` (``one``) and ``base + 1`` (``two``). None when
-    their op sequences differ (a micro-batch of 1 takes shortcuts in places: broadcasts that need no copy)."""
+def _batch_bases(config, s: TraceSettings) -> tuple[int, int] | None:
+    """The two micro-batches the trace at ``s.batch_size`` comes from: 2 and 3, whose op sequence is that of
+    every micro-batch above 1. The chunked loss cuts the batch's rows into chunks (:func:`launcher.loss.chunk_rows`),
+    so its ops change with the micro-batch; it takes the two smallest micro-batches whose chunks are those of
+    ``s.batch_size`` scaled down (rows per chunk in proportion to the micro-batch: the same ops, each linear),
+    e.g. 2 and 4 for 8. None: there are no two (it is traced)."""
+    b = s.batch_size
+    if not s.chunked_loss:
+        return (2, 3)
+    hidden, vocab = getattr(config, "hidden_size", None), getattr(config, "vocab_size", None)
+    if not hidden or not vocab:
+        return None
+    per = lossmod.chunk_rows(b * s.seq_len, hidden, vocab)
+    same = [x for x in range(2, b) if lossmod.chunk_rows(x * s.seq_len, hidden, vocab) * b == per * x]
+    return (same[0], same[1]) if len(same) >= 2 else None
+
+
+def _batch_extrapolate(one: StepTrace, two: StepTrace, b: int, bases: tuple[int, int] = (2, 3)) -> StepTrace | None:
+    """The trace at micro-batch ``b`` from those at ``bases`` (``one`` and ``two``), every number linear in the
+    micro-batch. None when their op sequences differ (a micro-batch of 1 takes shortcuts in places: broadcasts
+    that need no copy)."""
     if len(one.op_list) != len(two.op_list) or set(one.segments) != set(two.segments):
         return None
+    base, step = bases[0], bases[1] - bases[0]
 
     def lin(x1: int, x2: int) -> int:
-        return x1 + (b - base) * (x2 - x1)
+        return x1 + (b - base) * (x2 - x1) // step
 
     def lin_dict(a: dict, c: dict) -> dict:
         return {k: v for k in sorted(set(a) | set(c)) if (v := lin(a.get(k, 0), c.get(k, 0)))}
