@@ -126,6 +126,14 @@ def cmd_profiles(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    from launcher import tracestore
+    from launcher.memory import trace
+
+    with trace.parallel(tracestore.workers()):  # a cold plan is mostly tracing
+        return _plan(args)
+
+
+def _plan(args) -> int:
     from launcher import advice, calibrate, compare, diskspace, gpus, planner, report
     from launcher.config import load_config
     from launcher.hardware import probe, with_nvme

@@ -12,6 +12,7 @@ holds another key, is ignored and replaced; a cache that cannot be written never
 ``VRAMFIT_TRACE_CACHE=off`` turns it off. The oldest files go when there are more than ``MAX_FILES``.
 
 The store is installed by the command line (:func:`install`); :mod:`launcher.memory.trace` itself does no I/O.
+``vramfit plan`` also traces in several processes (:func:`workers`, ``VRAMFIT_TRACE_WORKERS``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import tempfile
 from collections import Counter
 from importlib import metadata
 
+from launcher.config import ConfigError
 from launcher.memory import trace
 from launcher.memory.trace import StepTrace
 from launcher.paths import cache_root
@@ -124,3 +126,20 @@ def install() -> TraceStore | None:
     store = TraceStore()
     trace.set_store(store)
     return store
+
+
+def workers() -> int:
+    """Processes ``vramfit plan`` traces in (:func:`launcher.memory.trace.parallel`): ``VRAMFIT_TRACE_WORKERS``,
+    else this machine's cores up to 4 (a plan's estimates need at most four traces at once); 1 or 0 traces in
+    the planning process itself."""
+    text = os.environ.get("VRAMFIT_TRACE_WORKERS", "").strip()
+    if not text:
+        return min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ConfigError([f"VRAMFIT_TRACE_WORKERS: got {text!r}; rule: a whole number of processes, 0 or more; fix: "
+                           "VRAMFIT_TRACE_WORKERS=2, or 0 to trace in the planning process"], "environment")
+    return n

@@ -1,13 +1,14 @@
 #!/usr/bin/env python
 """How long ``vramfit plan --compare-gpus`` takes, with the trace cache empty and then filled.
 
-    python scripts/bench_plan_time.py [--repeats 2] [--out DIR] [-- key=value ...]
+    python scripts/bench_plan_time.py [--repeats 2] [--workers 0,2] [--out DIR] [-- key=value ...]
 
 Default job: llama-7b, LoRA r=16, sequence 512, 32 GiB of host RAM, every GPU of the catalogue. Each run is
 its own process (``python -m launcher plan ... --compare-gpus``) with ``VRAMFIT_CACHE`` pointing at a fresh
 folder that holds this machine's calibration (copied, so nothing is measured again) and, for the warm runs,
-the traces the cold run kept. Prints the wall times, the number of traces kept and their size; writes
-OUT/plan_time.json and OUT/plan_time.md.
+the traces the cold run kept. ``--workers``: the trace worker processes (``VRAMFIT_TRACE_WORKERS``) to compare,
+run in turns within each repeat (default: the plan's own choice). Prints the wall times, the number of traces
+kept and their size; writes OUT/plan_time.json and OUT/plan_time.md.
 """
 
 from __future__ import annotations
@@ -33,9 +34,12 @@ from launcher.paths import cache_root  # noqa: E402
 JOB = ["model.name=llama-7b", "lora.r=16", "data.seq_len=512", "memory.cpu_budget=32"]
 
 
-def run(cache: str, job: list[str]) -> tuple[float, str]:
+def run(cache: str, job: list[str], workers: str | None) -> tuple[float, str]:
     env = dict(os.environ, VRAMFIT_CACHE=cache)
     env.pop("VRAMFIT_TRACE_CACHE", None)
+    env.pop("VRAMFIT_TRACE_WORKERS", None)
+    if workers is not None:
+        env["VRAMFIT_TRACE_WORKERS"] = workers
     t = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "launcher", "plan", *job, "--compare-gpus"], cwd=ROOT, env=env,
                        capture_output=True, text=True)
@@ -61,6 +65,7 @@ def kept_kinds(files: list[str]) -> dict[str, int]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=2, help="cold and warm runs each (cold: an empty trace cache)")
+    ap.add_argument("--workers", default=None, help="comma-separated VRAMFIT_TRACE_WORKERS values to run in turns")
     ap.add_argument("--out", default=None)
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
@@ -68,29 +73,37 @@ def main() -> int:
     machines = glob.glob(os.path.join(cache_root(), "machine-*.json"))
     if not machines:
         raise SystemExit("no calibration of this machine: run `vramfit doctor --calibrate` first")
-    cold, warm, traces, size, table, kinds = [], [], 0, 0, "", {}
+    variants = a.workers.split(",") if a.workers else [None]
+    got = {w: {"cold_s": [], "warm_s": []} for w in variants}
+    traces, size, table, kinds = 0, 0, None, {}
     for _ in range(a.repeats):
-        with tempfile.TemporaryDirectory() as cache:
-            for m in machines:
-                shutil.copy(m, cache)
-            dt, table = run(cache, job)
-            cold.append(dt)
-            files = glob.glob(os.path.join(cache, "traces", "*.json.gz"))
-            traces, size = len(files), sum(os.path.getsize(f) for f in files)
-            kinds = kept_kinds(files)
-            dt, again = run(cache, job)
-            warm.append(dt)
-            if again != table:
-                raise SystemExit("the plan read from kept traces differs from the traced one")
-    result = {"job": job, "cold_s": cold, "warm_s": warm, "cold_median_s": statistics.median(cold),
-              "warm_median_s": statistics.median(warm), "traces_kept": traces, "trace_bytes": size,
-              "traces_by_kind": kinds,
+        for w in variants:
+            with tempfile.TemporaryDirectory() as cache:
+                for m in machines:
+                    shutil.copy(m, cache)
+                dt, cold_table = run(cache, job, w)
+                got[w]["cold_s"].append(dt)
+                files = glob.glob(os.path.join(cache, "traces", "*.json.gz"))
+                traces, size = len(files), sum(os.path.getsize(f) for f in files)
+                kinds = kept_kinds(files)
+                dt, again = run(cache, job, w)
+                got[w]["warm_s"].append(dt)
+                if again != cold_table:
+                    raise SystemExit("the plan read from kept traces differs from the traced one")
+                if table is not None and cold_table != table:
+                    raise SystemExit(f"the plan with VRAMFIT_TRACE_WORKERS={w} differs from the one before")
+                table = cold_table
+    rows = {("default" if w is None else w): {**v, "cold_median_s": statistics.median(v["cold_s"]),
+                                              "warm_median_s": statistics.median(v["warm_s"])} for w, v in got.items()}
+    result = {"job": job, "by_workers": rows, "traces_kept": traces, "trace_bytes": size, "traces_by_kind": kinds,
               "cpus": os.cpu_count(), "load_average": list(os.getloadavg())}
-    md = (f"`vramfit plan {' '.join(job)} --compare-gpus`, {os.cpu_count()} CPUs, each run its own process\n\n"
-          f"| trace cache | wall s (each run) | median |\n| --- | --- | --- |\n"
-          f"| empty | {', '.join(f'{x:.1f}' for x in cold)} | {result['cold_median_s']:.1f} |\n"
-          f"| filled by the run before | {', '.join(f'{x:.1f}' for x in warm)} | {result['warm_median_s']:.1f} |\n\n"
-          f"traces kept: {traces} files, {size / 2**20:.2f} MiB; by micro-batch: "
+    md = (f"`vramfit plan {' '.join(job)} --compare-gpus`, {os.cpu_count()} CPUs, each run its own process"
+          + (", the worker counts in turns" if a.workers else "") + "\n\n"
+          "| trace workers | trace cache | wall s (each run) | median |\n| --- | --- | --- | --- |\n"
+          + "".join(f"| {w} | empty | {', '.join(f'{x:.1f}' for x in v['cold_s'])} | {v['cold_median_s']:.1f} |\n"
+                    f"| {w} | filled by the run before | {', '.join(f'{x:.1f}' for x in v['warm_s'])} | "
+                    f"{v['warm_median_s']:.1f} |\n" for w, v in rows.items())
+          + f"\ntraces kept: {traces} files, {size / 2**20:.2f} MiB; by micro-batch: "
           + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())) + f"\n\n```\n{table}```\n")
     print(md)
     if a.out:

@@ -16,6 +16,10 @@ def private_cache(tmp_path_factory):
 
     old = os.environ.get("XDG_CACHE_HOME")
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    # `vramfit plan` forks trace workers; a test process may hold threads of earlier tests (a fork copies none of
+    # them, and a lock one held stays held), so plans run in-process here trace in-process. The workers have
+    # their own test (tests/test_trace_cache.py).
+    os.environ.setdefault("VRAMFIT_TRACE_WORKERS", "0")
     yield
     if old is None:
         os.environ.pop("XDG_CACHE_HOME", None)

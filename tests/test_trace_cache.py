@@ -54,3 +54,44 @@ def test_saved_bytes_do_not_depend_on_the_allocator(monkeypatch):
     assert runs[0] == runs[1] == runs[2]
     plain = _trace(dataclasses.replace(s, offload_activations=False), False, monkeypatch)["saved"]
     assert runs[0] == plain  # offloading moves what is saved, not what is saved
+
+
+def test_traces_made_in_worker_processes_equal_those_made_here(monkeypatch):
+    """``vramfit plan`` traces in forked workers (trace.parallel): the estimate is the same, the pool ran, and the
+    traces came back into this process's cache."""
+    import sys
+
+    if sys.platform != "linux":
+        pytest.skip("worker processes are forked on Linux only")
+    cfg = LlamaConfig(**{**CFG.to_dict(), "num_hidden_layers": 6})
+    s = dataclasses.replace(BASE, batch_size=8, gradient_checkpointing=True, checkpoint_every=2,
+                            chunked_loss=True, lora_r=4)
+    monkeypatch.setattr(T, "_STORE", None)
+
+    def estimate():
+        monkeypatch.setattr(T, "_TRACES", {})
+        monkeypatch.setattr(T, "_ESTIMATES", {})
+        d = T.estimate_activations(cfg, s, exact=False).to_dict()
+        d.pop("trace_seconds")
+        return d
+
+    here = estimate()  # also leaves op results behind, which the workers start with
+    with T.parallel(2):
+        there = estimate()
+        assert T._POOL is not None
+        assert len(T._TRACES) >= 4
+    assert T._POOL is None and T._WORKERS == 0
+    assert there == here
+
+
+def test_a_bad_worker_count_is_refused(monkeypatch):
+    from launcher import tracestore
+    from launcher.config import ConfigError
+
+    monkeypatch.setenv("VRAMFIT_TRACE_WORKERS", "two")
+    with pytest.raises(ConfigError, match="VRAMFIT_TRACE_WORKERS: got 'two'"):
+        tracestore.workers()
+    monkeypatch.setenv("VRAMFIT_TRACE_WORKERS", "0")
+    assert tracestore.workers() == 0
+    monkeypatch.delenv("VRAMFIT_TRACE_WORKERS")
+    assert 1 <= tracestore.workers() <= 4

@@ -43,9 +43,13 @@ that probe would have made on real tensors, and the fused kernels' per-layer bia
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import multiprocessing
+import signal
+import sys
 import time
 import weakref
 from collections import Counter, defaultdict
@@ -911,11 +915,8 @@ def trace_at(config, depth: int, s: TraceSettings, trust_remote_code: bool = Fal
     moves with ``b`` (weight casts under autocast with checkpointing), the extrapolation is low by a percent
     or two. The planner's search prices and sizes candidates with ``exact=False`` (two traces for every
     micro-batch), then traces the setting it keeps exactly (tests compare both with direct traces)."""
-    key = (config_key(config), depth, s, trust_remote_code, exact or s.batch_size <= 3)
-    if key in _TRACES:
-        return _TRACES[key]
-    if _STORE is not None and (kept := _STORE.get(key)) is not None:
-        _TRACES[key] = kept
+    key = _trace_key(config, depth, s, trust_remote_code, exact)
+    if (kept := _kept(key)) is not None:
         return kept
     bases = _batch_bases(config, s) if s.batch_size > 3 and not exact else None
     if bases is not None:
@@ -926,12 +927,99 @@ def trace_at(config, depth: int, s: TraceSettings, trust_remote_code: bool = Fal
             out, traced = trace_depth(config, depth, s, trust_remote_code), True
     else:
         out, traced = trace_depth(config, depth, s, trust_remote_code), True
+    _keep(key, out, traced)
+    return out
+
+
+def _trace_key(config, depth: int, s: TraceSettings, trust_remote_code: bool, exact: bool) -> tuple:
+    return (config_key(config), depth, s, trust_remote_code, exact or s.batch_size <= 3)
+
+
+def _kept(key) -> StepTrace | None:
+    if key in _TRACES:
+        return _TRACES[key]
+    if _STORE is not None and (kept := _STORE.get(key)) is not None:
+        _TRACES[key] = kept
+        return kept
+    return None
+
+
+def _keep(key, out: StepTrace, traced: bool) -> None:
     if len(_TRACES) > 256:
         _TRACES.clear()
     _TRACES[key] = out
     if traced and _STORE is not None:  # an extrapolation is cheap: only traces are kept
         _STORE.put(key, out)
-    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Traces in parallel
+
+_WORKERS = 0  # parallel(): worker processes to trace in (0: every trace in this process)
+_POOL = None  # the pool of them, started on first use
+
+
+@contextlib.contextmanager
+def parallel(workers: int):
+    """Within: the traces an estimate needs at once (two depths, each at up to two micro-batches) are made in
+    up to ``workers`` processes, forked on the first estimate that needs two or more, so each starts with this
+    process's imports and caches and re-imports nothing. Linux only (fork; where processes are spawned each would
+    import torch and transformers again, seconds that a plan's traces do not repay); elsewhere, with ``workers``
+    below 2, or inside another ``parallel``, every trace is made here. A worker that fails leaves its trace to be
+    made here (with the error, if it fails again, raised where it belongs)."""
+    global _WORKERS, _POOL
+    if workers < 2 or sys.platform != "linux" or _WORKERS:
+        yield
+        return
+    _WORKERS = workers
+    try:
+        yield
+    finally:
+        pool, _POOL, _WORKERS = _POOL, None, 0
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _trace_job(config, depth: int, s: TraceSettings, trust_remote_code: bool) -> StepTrace:
+    return trace_depth(config, depth, s, trust_remote_code)
+
+
+def _leaves(config, depth: int, s: TraceSettings, exact: bool) -> list[tuple[int, TraceSettings]]:
+    """The traces :func:`trace_at` makes for ``(depth, s)``: itself, or those it is extrapolated from."""
+    bases = _batch_bases(config, s) if s.batch_size > 3 and not exact else None
+    if bases is None:
+        return [(depth, s)]
+    return [leaf for x in bases for leaf in _leaves(config, depth, dataclasses.replace(s, batch_size=x), exact)]
+
+
+def _prefetch(config, wanted: list[tuple[int, TraceSettings]], trust_remote_code: bool, exact: bool) -> None:
+    """Make the missing traces behind ``wanted`` ((depth, settings) as :func:`trace_at` is asked) in the pool."""
+    global _POOL, _WORKERS
+    if not _WORKERS:
+        return
+    missing = {}
+    for depth, s in wanted:
+        for d, leaf in _leaves(config, depth, s, exact):
+            key = _trace_key(config, d, leaf, trust_remote_code, exact)
+            if key not in missing and _kept(key) is None:
+                missing[key] = (d, leaf)
+    if len(missing) < 2:
+        return
+    if _POOL is None and not _META_RESULTS:
+        return  # the first traces are made here, so the workers start with the op results they share
+    if _POOL is None:
+        _POOL = concurrent.futures.ProcessPoolExecutor(
+            _WORKERS, mp_context=multiprocessing.get_context("fork"),
+            initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))  # Ctrl-C: this process stops them
+    jobs = {key: _POOL.submit(_trace_job, config, d, leaf, trust_remote_code) for key, (d, leaf) in missing.items()}
+    for key, job in jobs.items():
+        try:
+            _keep(key, job.result(), True)
+        except concurrent.futures.BrokenExecutor:
+            _WORKERS = 0  # a worker died (out of memory, a signal): the rest of this run traces here
+            return
+        except Exception:  # noqa: BLE001 -- made again here by trace_at, which raises it where it belongs
+            continue
 
 
 def _batch_bases(config, s: TraceSettings) -> tuple[int, int] | None:
@@ -998,6 +1086,7 @@ def estimate_activations(config, settings: TraceSettings, trust_remote_code: boo
     # and congruent to the full depth modulo k, so the top layer is checkpointed or not as in the model.
     period = settings.checkpoint_every if settings.gradient_checkpointing and settings.checkpoint_every > 1 else 1
     lo = 2 + (full - 2) % period if full > 2 else full
+    _prefetch(config, [(lo, settings)] + ([(lo + period, settings)] if full > lo else []), trust_remote_code, exact)
     one = trace_at(config, lo, settings, trust_remote_code, exact)
     two = trace_at(config, lo + period, settings, trust_remote_code, exact) if full > lo else one
     reps = (full - lo) // period
