@@ -127,9 +127,9 @@ def cmd_profiles(args) -> int:
 
 def cmd_plan(args) -> int:
     from launcher import tracestore
-    from launcher.memory import trace
+    from launcher.memory import estimate
 
-    with trace.parallel(tracestore.workers()):  # a cold plan is mostly tracing
+    with estimate.parallel(tracestore.workers()):  # a cold plan is mostly tracing
         return _plan(args)
 
 

@@ -29,6 +29,7 @@ from launcher.availability import Availability
 from launcher.config import AUTO, Config, ConfigError, packs_samples
 from launcher.hardware import Hardware, pin_memory_ok
 from launcher.loss import HeadNotPlain, head_problem
+from launcher.memory.estimate import ActivationEstimate, estimate_activations
 from launcher.memory.shape import count_params
 from launcher.memory.states import (
     ALLOCATOR_SLACK,
@@ -41,7 +42,7 @@ from launcher.memory.states import (
     files_on_disk,
     model_states,
 )
-from launcher.memory.trace import ActivationEstimate, TraceSettings, estimate_activations
+from launcher.memory.trace import TraceSettings
 from launcher.precision import DTYPES
 from launcher.profiles import PROFILES, Profile, bucket_sizes, in_catalogue
 from launcher.steptime import Machine
@@ -509,7 +510,7 @@ def _best_setting(p: Profile, run: RunShape, cfg: Config, asked, gpu_budget: int
     offload from.
 
     ``exact=False``: the row is the best candidate as the search priced it (micro-batches above 3 extrapolated,
-    see :func:`launcher.memory.trace.trace_at`), with the candidates fastest first for :func:`_settle`."""
+    see :func:`launcher.memory.estimate.trace_at`), with the candidates fastest first for :func:`_settle`."""
     options = [(ck, k, run.offload_mode == "on") for ck, k in checkpoint_options(cfg, run.counts.num_layers)]
     if run.offload_mode == AUTO and run.device == "cuda":
         options.append((*options[-1][:2], True))  # the least GPU memory: offload on top of the most recompute

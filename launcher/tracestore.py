@@ -11,7 +11,7 @@ vramfit's own source, torch's, transformers' and peft's versions. A later ``plan
 holds another key, is ignored and replaced; a cache that cannot be written never stops a plan.
 ``VRAMFIT_TRACE_CACHE=off`` turns it off. The oldest files go when there are more than ``MAX_FILES``.
 
-The store is installed by the command line (:func:`install`); :mod:`launcher.memory.trace` itself does no I/O.
+The store is installed by the command line (:func:`install`); :mod:`launcher.memory.estimate` itself does no I/O.
 ``vramfit plan`` also traces in several processes (:func:`workers`, ``VRAMFIT_TRACE_WORKERS``).
 """
 
@@ -28,7 +28,7 @@ from collections import Counter
 from importlib import metadata
 
 from launcher.config import ConfigError
-from launcher.memory import trace
+from launcher.memory import estimate
 from launcher.memory.trace import StepTrace
 from launcher.paths import cache_root
 
@@ -121,15 +121,15 @@ class TraceStore:
 def install() -> TraceStore | None:
     """Keep this process's traces on disk (unless ``VRAMFIT_TRACE_CACHE=off``)."""
     if os.environ.get("VRAMFIT_TRACE_CACHE", "").lower() in ("off", "0", "false", "no"):
-        trace.set_store(None)
+        estimate.set_store(None)
         return None
     store = TraceStore()
-    trace.set_store(store)
+    estimate.set_store(store)
     return store
 
 
 def workers() -> int:
-    """Processes ``vramfit plan`` traces in (:func:`launcher.memory.trace.parallel`): ``VRAMFIT_TRACE_WORKERS``,
+    """Processes ``vramfit plan`` traces in (:func:`launcher.memory.estimate.parallel`): ``VRAMFIT_TRACE_WORKERS``,
     else this machine's cores up to 4 (a plan's estimates need at most four traces at once); 1 or 0 traces in
     the planning process itself."""
     text = os.environ.get("VRAMFIT_TRACE_WORKERS", "").strip()

@@ -89,14 +89,9 @@ def run_cpu(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from launcher.memory.estimate import estimate_activations
     from launcher.memory.shape import build_meta_model
-    from launcher.memory.trace import (
-        TraceSettings,
-        enable_checkpointing,
-        estimate_activations,
-        measure_step,
-        trace_depth,
-    )
+    from launcher.memory.trace import TraceSettings, enable_checkpointing, measure_step, trace_depth
 
     torch.set_num_threads(1)
     out = []

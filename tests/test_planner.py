@@ -15,8 +15,9 @@ import torch
 from launcher import advice, planner, report
 from launcher.config import load_config
 from launcher.hardware import GPUInfo, Hardware
+from launcher.memory.estimate import estimate_activations
 from launcher.memory.shape import build_meta_model, count_params
-from launcher.memory.trace import TraceSettings, enable_checkpointing, estimate_activations, measure_step, trace_depth
+from launcher.memory.trace import TraceSettings, enable_checkpointing, measure_step, trace_depth
 from launcher.targets import adapted as lora_target_names
 from launcher.units import GiB
 
@@ -374,7 +375,7 @@ def test_micro_batch_extrapolation(checkpointing, autocast, attn):
     backward are exact; a segment's peak is exact unless its moment moves with the micro-batch (weight casts
     under autocast), and then a little low, which is why the planner re-traces the setting it keeps (the
     last assertion)."""
-    from launcher.memory.trace import _batch_extrapolate
+    from launcher.memory.estimate import _batch_extrapolate
 
     cfg = tiny_configs()["llama"]
     s = TraceSettings(batch_size=2, seq_len=48, autocast_dtype=autocast, gradient_checkpointing=checkpointing,
@@ -394,7 +395,7 @@ def test_micro_batch_extrapolation(checkpointing, autocast, attn):
 def test_chunked_loss_extrapolates_from_micro_batches_chunked_alike():
     """The chunked loss's ops change with the micro-batch (its chunks are rows of the batch): micro-batch 8 comes
     from 2 and 4, whose chunks are 8's scaled down, exactly; 6 has no two such below it and is traced."""
-    from launcher.memory.trace import _batch_bases, _batch_extrapolate
+    from launcher.memory.estimate import _batch_bases, _batch_extrapolate
 
     cfg = tiny_configs()["llama"]
     s = TraceSettings(batch_size=8, seq_len=48, gradient_checkpointing=True, attention_kernel="flash",

@@ -12,7 +12,8 @@ from test_planner import fake_hw
 from helpers import run_inprocess
 from launcher import planner, steptime
 from launcher.config import load_config
-from launcher.memory.trace import TraceSettings, estimate_activations
+from launcher.memory.estimate import estimate_activations
+from launcher.memory.trace import TraceSettings
 from launcher.presets import preset_config
 from launcher.profiles import PROFILES
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+import launcher.memory.estimate as E
 import launcher.memory.trace as T
 
 CFG = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -57,7 +58,7 @@ def test_saved_bytes_do_not_depend_on_the_allocator(monkeypatch):
 
 
 def test_traces_made_in_worker_processes_equal_those_made_here(monkeypatch):
-    """``vramfit plan`` traces in forked workers (trace.parallel): the estimate is the same, the pool ran, and the
+    """``vramfit plan`` traces in forked workers (estimate.parallel): the estimate is the same, the pool ran, and the
     traces came back into this process's cache."""
     import sys
 
@@ -66,21 +67,21 @@ def test_traces_made_in_worker_processes_equal_those_made_here(monkeypatch):
     cfg = LlamaConfig(**{**CFG.to_dict(), "num_hidden_layers": 6})
     s = dataclasses.replace(BASE, batch_size=8, gradient_checkpointing=True, checkpoint_every=2,
                             chunked_loss=True, lora_r=4)
-    monkeypatch.setattr(T, "_STORE", None)
+    monkeypatch.setattr(E, "_STORE", None)
 
     def estimate():
-        monkeypatch.setattr(T, "_TRACES", {})
-        monkeypatch.setattr(T, "_ESTIMATES", {})
-        d = T.estimate_activations(cfg, s, exact=False).to_dict()
+        monkeypatch.setattr(E, "_TRACES", {})
+        monkeypatch.setattr(E, "_ESTIMATES", {})
+        d = E.estimate_activations(cfg, s, exact=False).to_dict()
         d.pop("trace_seconds")
         return d
 
     here = estimate()  # also leaves op results behind, which the workers start with
-    with T.parallel(2):
+    with E.parallel(2):
         there = estimate()
-        assert T._POOL is not None
-        assert len(T._TRACES) >= 4
-    assert T._POOL is None and T._WORKERS == 0
+        assert E._POOL is not None
+        assert len(E._TRACES) >= 4
+    assert E._POOL is None and E._WORKERS == 0
     assert there == here
 
 

@@ -14,8 +14,9 @@ from transformers import LlamaConfig
 
 from helpers import run_cli
 from launcher import tracestore
-from launcher.memory import trace
-from launcher.memory.trace import TraceSettings, trace_at
+from launcher.memory import estimate, trace
+from launcher.memory.estimate import trace_at
+from launcher.memory.trace import TraceSettings
 
 CFG = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=1, max_position_embeddings=64)
@@ -29,9 +30,9 @@ def same(a, b) -> bool:
 
 
 def fresh(store):
-    trace._TRACES.clear()
+    estimate._TRACES.clear()
     trace._META_MODELS.clear()  # each trace on a model built for it, as in a new process
-    trace.set_store(store)
+    estimate.set_store(store)
 
 
 def test_a_kept_trace_reads_back_equal(tmp_path):
