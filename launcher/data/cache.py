@@ -80,7 +80,7 @@ def file_digest(path: str, root: str) -> str:
 def content_id(src: Source, root: str) -> dict:
     """What the records are: every file's size and sha256 in order, or a hub dataset's id and fingerprint."""
     if src.builder == "hub":
-        from launcher.data.files import load_hub
+        from launcher.data.sources import load_hub
 
         return {"hub": src.path, "name": src.name, "split": src.split, "fingerprint": load_hub(src)._fingerprint}
     return {"builder": src.builder, "files": [[os.path.getsize(f), file_digest(f, root)] for f in src.files]}

@@ -16,7 +16,7 @@ import json
 import os
 
 from launcher.config import ConfigError
-from launcher.data.sources import Source
+from launcher.data.sources import Source, load_hub
 
 
 def show(path: str) -> str:
@@ -27,27 +27,6 @@ def show(path: str) -> str:
 
 # ----------------------------------------------------------------------------------------------
 # Reading
-
-
-_HUB: dict = {}  # (id, name, split) -> dataset: asked for its fields, its fingerprint and its records once
-
-
-def load_hub(src: Source):
-    """A hub dataset through ``load_dataset`` (name, config, split); a ConfigError when it cannot be had."""
-    import datasets
-
-    key = (src.path, src.name, src.split)
-    try:
-        if key not in _HUB:
-            _HUB.clear()  # one at a time: a dataset object is small, but keeps its Arrow files open
-            _HUB[key] = datasets.load_dataset(src.path, src.name or None, split=src.split)
-        return _HUB[key]
-    except Exception as e:  # noqa: BLE001 (network, auth and missing-dataset errors have many types)
-        msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-        raise ConfigError([f"{src.label}: not a local file or folder (looked for {os.path.abspath(src.path)}), and "
-                           f"the hub dataset could not be loaded ({type(e).__name__}: {msg}); rule: a path that exists, "
-                           "or a hub dataset id reachable from here; fix: check the path, or download the dataset where "
-                           "the network allows and point the source at its files"], "data") from None
 
 
 def read_records(src: Source, encoding: str, cache_dir: str, num_proc: int = 1):

@@ -140,6 +140,27 @@ def eval_sources(cfg: Config) -> list[Source]:
 # One record's fields, to settle format: auto
 
 
+_HUB: dict = {}  # (id, name, split) -> dataset: asked for its fields, its fingerprint and its records once
+
+
+def load_hub(src: Source):
+    """A hub dataset through ``load_dataset`` (name, config, split); a ConfigError when it cannot be had."""
+    import datasets
+
+    key = (src.path, src.name, src.split)
+    try:
+        if key not in _HUB:
+            _HUB.clear()  # one at a time: a dataset object is small, but keeps its Arrow files open
+            _HUB[key] = datasets.load_dataset(src.path, src.name or None, split=src.split)
+        return _HUB[key]
+    except Exception as e:  # noqa: BLE001 (network, auth and missing-dataset errors have many types)
+        msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+        raise ConfigError([f"{src.label}: not a local file or folder (looked for {os.path.abspath(src.path)}), and "
+                           f"the hub dataset could not be loaded ({type(e).__name__}: {msg}); rule: a path that exists, "
+                           "or a hub dataset id reachable from here; fix: check the path, or download the dataset where "
+                           "the network allows and point the source at its files"], "data") from None
+
+
 def first_fields(src: Source, encoding: str) -> list[str]:
     """The field names of the first record of ``src`` (reads one record, or a parquet/arrow schema)."""
     f = src.files[0] if src.files else None
@@ -165,8 +186,6 @@ def first_fields(src: Source, encoding: str) -> list[str]:
     if src.builder == "text":
         return ["text"]
     if src.builder == "hub":
-        from launcher.data.files import load_hub
-
         return list(load_hub(src).column_names)
     try:
         with open(f, encoding=encoding, newline="") as fh:
