@@ -91,7 +91,7 @@ def trace_at(config, depth: int, s: TraceSettings, trust_remote_code: bool = Fal
     key = _trace_key(config, depth, s, trust_remote_code, exact)
     if (kept := _kept(key)) is not None:
         return kept
-    bases = _batch_bases(config, s) if s.batch_size > 3 and not exact else None
+    bases = _extrapolated_from(config, s, exact)
     if bases is not None:
         one, two = (trace_at(config, depth, dataclasses.replace(s, batch_size=x), trust_remote_code, exact)
                     for x in bases)
@@ -102,6 +102,11 @@ def trace_at(config, depth: int, s: TraceSettings, trust_remote_code: bool = Fal
         out, traced = trace_depth(config, depth, s, trust_remote_code), True
     _keep(key, out, traced)
     return out
+
+
+def _extrapolated_from(config, s: TraceSettings, exact: bool) -> tuple[int, int] | None:
+    """The micro-batches :func:`trace_at` builds ``s`` from, or None when it traces ``s`` itself."""
+    return _batch_bases(config, s) if s.batch_size > 3 and not exact else None
 
 
 def _trace_key(config, depth: int, s: TraceSettings, trust_remote_code: bool, exact: bool) -> tuple:
@@ -159,7 +164,7 @@ def _trace_job(config, depth: int, s: TraceSettings, trust_remote_code: bool) ->
 
 def _leaves(config, depth: int, s: TraceSettings, exact: bool) -> list[tuple[int, TraceSettings]]:
     """The traces :func:`trace_at` makes for ``(depth, s)``: itself, or those it is extrapolated from."""
-    bases = _batch_bases(config, s) if s.batch_size > 3 and not exact else None
+    bases = _extrapolated_from(config, s, exact)
     if bases is None:
         return [(depth, s)]
     return [leaf for x in bases for leaf in _leaves(config, depth, dataclasses.replace(s, batch_size=x), exact)]

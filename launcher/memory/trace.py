@@ -603,16 +603,16 @@ def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: t
     # Storages are told apart by address (``_cdata``), which a later storage can reuse once one dies (an
     # offloaded activation, a recompute's weight cast): each key is dropped when its storage dies, so a
     # reused address counts again and the totals do not depend on the allocator.
-    refs: dict[int, weakref.ref] = {}
+    refs: dict[tuple, weakref.ref] = {}
 
     def remember(keys, st):
         key = st._cdata
 
         def dead(_ref):
-            refs.pop(key, None)
+            refs.pop((id(keys), key), None)
             keys.discard(key)
 
-        refs[key] = weakref.ref(st, dead)
+        refs[id(keys), key] = weakref.ref(st, dead)  # one ref per set: a ref replaced would never call back
         keys.add(key)
 
     cast_keys: set[int] = set()
