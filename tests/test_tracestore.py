@@ -67,6 +67,12 @@ def test_damaged_or_foreign_files_are_traced_again(tmp_path):
         assert same(trace_at(CFG, 2, S), retraced) and third.hits == 1
         with gzip.open(path, "rt") as fh:
             assert '"key"' in fh.read(200)
+        body = bytearray(path.read_bytes())
+        body[10] ^= 0xFF  # the first deflate block header, after the 10-byte gzip header: zlib.error, not OSError
+        path.write_bytes(bytes(body))
+        flipped = tracestore.TraceStore(str(tmp_path))
+        fresh(flipped)
+        assert same(trace_at(CFG, 2, S), retraced) and flipped.hits == 0 and flipped.writes == 1
         other = tracestore.TraceStore(str(tmp_path))
         other.version = "another vramfit"  # its file names differ, and a file of the same name is not trusted
         fresh(other)

@@ -257,19 +257,47 @@ def _nbytes(ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
+_DTYPE_NAMES: dict = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
+
+
+_OP_KINDS: dict = {}  # op -> 'flops' (torch's FLOP counter has a formula), 'view' or 'memory'
+
+
+def _op_kind(func) -> str:
+    kind = _OP_KINDS.get(func)
+    if kind is None:
+        returns = func._schema.returns
+        kind = _OP_KINDS[func] = (
+            "flops" if func.overloadpacket in flop_registry else
+            "view" if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns) else
+            "memory")
+    return kind
+
+
 def _op_key(func, args, kwargs, out, outs) -> OpKey:
-    packet = func.overloadpacket
+    kind = _op_kind(func)
+    if kind == "view" and args and isinstance(args[0], torch.Tensor):  # most ops of a step that always run
+        return ("view", _dtype_name(args[0].dtype), 0, 0)
     ins = _tensors((args, kwargs))
-    dtype = str((ins or outs)[0].dtype).replace("torch.", "") if (ins or outs) else ""
-    if packet in flop_registry:
+    dtype = _dtype_name((ins or outs)[0].dtype) if (ins or outs) else ""
+    if kind == "flops":
         try:
-            flops = int(flop_registry[packet](*args, **kwargs, out_val=out))
+            flops = int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
         except Exception:  # noqa: BLE001 -- a formula that does not take these arguments: price it by bytes
             flops = 0
         if flops:
             return ("matmul", dtype, flops, _nbytes(ins) + _nbytes(outs))
-    returns = func._schema.returns
-    if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
+        returns = func._schema.returns
+        if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
+            return ("view", dtype, 0, 0)
+    elif kind == "view":
         return ("view", dtype, 0, 0)
     return ("memory", dtype, 0, _nbytes(ins) + _nbytes(outs))
 
@@ -388,6 +416,12 @@ class _Tracker(TorchDispatchMode):
         self.segments: dict[str, list] = {}
         self.op_list: list = []  # OpKey of every op dispatched, in order (the time model's input)
         self.offloaded_peak = 0  # most bytes held at once in CPU copies of saved activations (activation offload)
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in torch._disable_dynamo unless this says no: a wrapper call
+        # per op (a tenth of a trace's time) for nothing, as a trace never runs under torch.compile
+        return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -576,7 +610,7 @@ def _checkpoint_with_mode(checkpoint, fmode: _FunctionMode, state: dict, enter, 
 def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: torch.dtype | None = None,
                  autocast_policy: str = "cuda", attention_kernel: str = "math", target: str = "cuda",
                  real_autocast: bool = False, chunked_loss: bool = False,
-                 offload_activations: bool = False, packed: bool = False) -> StepTrace:
+                 offload_activations: bool = False, packed: bool = False, parts: tuple | None = None) -> StepTrace:
     """Trace ``loss = model(input_ids, labels=input_ids).loss; loss.backward()`` and measure it.
 
     Works on meta and on real tensors (the tests compare the two). Only the loss outlives the forward,
@@ -591,14 +625,16 @@ def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: t
     ``packed``: a batch of packed samples (padding-free), whose attention mask is block-diagonal: real tensors get
     position ids restarting mid-row (transformers builds the mask from them), meta tensors the ``[b, 1, s, s]``
     boolean mask that this makes, created inside the measured region as the real one is.
+    ``parts``: :func:`model_parts` of ``model``, when the caller keeps them (walking a model's modules is
+    not free, and a planner traces the same cut model many times).
     """
     emulate = None if real_autocast else autocast_dtype
     t0 = time.perf_counter()
     top = base_model(model)
-    layers = list(decoder_layers(model))
+    layers, params, buffers = parts or model_parts(model)
     emb = top.get_input_embeddings()
-    ignore = {p.untyped_storage()._cdata for p in model.parameters()}
-    ignore |= {b.untyped_storage()._cdata for b in model.buffers()}
+    ignore = {p.untyped_storage()._cdata for p in params}
+    ignore |= {b.untyped_storage()._cdata for b in buffers}
     tracker = _Tracker(ignore)
     # Storages are told apart by address (``_cdata``), which a later storage can reuse once one dies (an
     # offloaded activation, a recompute's weight cast): each key is dropped when its storage dies, so a
@@ -722,7 +758,7 @@ def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: t
         if p.grad is not None:
             tracker.reclassify(p.grad, "param_grad")
 
-    for p in model.parameters():
+    for p in params:
         if p.requires_grad:
             hooks.append(p.register_post_accumulate_grad_hook(on_grad))
 
@@ -770,7 +806,7 @@ def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: t
         for layer in restore:
             layer._gradient_checkpointing_func = layer._gradient_checkpointing_func.args[0]
     grads = {p.grad.untyped_storage()._cdata: p.grad.untyped_storage().nbytes()
-             for p in model.parameters() if p.grad is not None}
+             for p in params if p.grad is not None}
     autocast_cache = cast_bytes[0]
     segments = {k: {"peak": v[0], "parts": v[1], "peak_with_grads": v[2], "parts_with_grads": v[3]}
                 for k, v in tracker.segments.items()}
@@ -811,40 +847,48 @@ def enable_checkpointing(model: nn.Module, every: int = 1):
     checkpointing.enable(model, every)
 
 
+def model_parts(model: nn.Module) -> tuple[list[nn.Module], list[nn.Parameter], list[torch.Tensor]]:
+    """What :func:`measure_step` needs of ``model``'s structure: its decoder layers, parameters and buffers."""
+    return list(decoder_layers(model)), list(model.parameters()), list(model.buffers())
+
+
 _META_MODELS: dict = {}
 
 
-def _meta_model(config, depth: int, s: TraceSettings, trust_remote_code: bool) -> nn.Module:
-    """``config`` cut to ``depth`` layers on meta, with LoRA as ``s`` says; built once per shape and reused
-    (building and wrapping in peft costs more than a trace). Gradients and checkpointing flags are reset."""
+def _meta_model(config, depth: int, s: TraceSettings, trust_remote_code: bool) -> tuple[nn.Module, tuple]:
+    """``config`` cut to ``depth`` layers on meta, with LoRA as ``s`` says, and its :func:`model_parts`; built once
+    per shape and reused (building and wrapping in peft costs more than a trace). Gradients and checkpointing
+    flags are reset."""
     key = (config_key(config), depth, s.attn_implementation, s.param_dtype, s.lora_r, s.lora_targets, s.lora_dropout,
            s.adapter_dtype, trust_remote_code)
-    model = _META_MODELS.get(key)
-    if model is None:
+    hit = _META_MODELS.get(key)
+    if hit is None:
         if len(_META_MODELS) > 16:
             _META_MODELS.clear()
-        model = _META_MODELS[key] = build_meta_model(
+        model = build_meta_model(
             with_depth(config, depth), attn_implementation=s.attn_implementation, dtype=s.param_dtype,
             lora_r=s.lora_r, lora_targets=s.lora_targets, lora_dropout=s.lora_dropout,
             adapter_dtype=s.adapter_dtype or s.param_dtype, trust_remote_code=trust_remote_code)
-    for p in model.parameters():
+        hit = _META_MODELS[key] = (model, model_parts(model))
+    model, parts = hit
+    for p in parts[1]:
         p.grad = None
     if s.gradient_checkpointing:
         enable_checkpointing(model, s.checkpoint_every)
     else:
         checkpointing.disable(model)
     model.train()
-    return model
+    return model, parts
 
 
 def trace_depth(config, depth: int, s: TraceSettings, trust_remote_code: bool = False) -> StepTrace:
     """Build ``config`` cut to ``depth`` layers on meta and measure one step with settings ``s``."""
-    model = _meta_model(config, depth, s, trust_remote_code)
+    model, parts = _meta_model(config, depth, s, trust_remote_code)
     ids = torch.zeros(s.batch_size, s.seq_len, dtype=torch.long, device="meta")
     return measure_step(model, ids, autocast_dtype=s.autocast_dtype, autocast_policy=s.target,
                         attention_kernel=s.attention_kernel if s.attn_implementation == "sdpa" else "math",
                         target=s.target, chunked_loss=s.chunked_loss, offload_activations=s.offload_activations,
-                        packed=s.packed)
+                        packed=s.packed, parts=parts)
 
 
 def op_results_known() -> bool:
