@@ -349,14 +349,15 @@ _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.la
 
 
 def _sig(x):
-    if isinstance(x, torch.Tensor):
-        if not x.is_meta or type(x) is not torch.Tensor and not isinstance(x, nn.Parameter):
+    kind = type(x)  # the exact types first: every functional op of a step passes here
+    if kind is torch.Tensor or kind is nn.Parameter or isinstance(x, torch.Tensor):
+        if not x.is_meta or kind is not torch.Tensor and not isinstance(x, nn.Parameter):
             raise _Uncacheable
         return (_SIG_TAG, tuple(x.shape), x.stride(), x.dtype)
-    if isinstance(x, (list, tuple)):
-        return tuple(_sig(y) for y in x)
+    if kind is tuple or kind is list or isinstance(x, (list, tuple)):
+        return tuple([_sig(y) for y in x])
     if isinstance(x, _PLAIN):
-        return (type(x), x)  # 1, 1.0 and True hash alike: the type keeps them apart
+        return (kind, x)  # 1, 1.0 and True hash alike: the type keeps them apart
     raise _Uncacheable
 
 
@@ -390,7 +391,7 @@ def _out_spec(out, ins: set[int]):
 
 
 def _make(spec):
-    if isinstance(spec, tuple) and len(spec) == 4 and spec[0] is _SIG_TAG:
+    if type(spec) is tuple and len(spec) == 4 and spec[0] is _SIG_TAG:
         return torch.empty_strided(spec[1], spec[2], dtype=spec[3], device="meta")
     if isinstance(spec, tuple) and len(spec) == 2 and spec[0] in (list, tuple):
         return spec[0](_make(s) for s in spec[1])
@@ -410,6 +411,7 @@ class _Tracker(TorchDispatchMode):
         self.live: dict[int, list] = {}
         self.refs: dict[int, weakref.ref] = {}
         self.by_cat: dict[str, int] = defaultdict(int)
+        self.all = 0  # sum(by_cat.values()), kept as it changes
         self.category = "other"
         self.segment = "forward"
         # per segment (forward, head_bwd, body_bwd): [peak, parts at it, peak with grads, parts at it]
@@ -437,11 +439,10 @@ class _Tracker(TorchDispatchMode):
         hit = _META_RESULTS.get(key) if key is not None else None
         if hit is not None:
             out = _make(hit[0])
-            outs = _tensors(out)
             op = hit[1]
         else:
             out = func(*args, **kwargs)
-            outs = _tensors(out)
+            outs = [out] if type(out) is torch.Tensor else _tensors(out)
             op = _op_key(func, args, kwargs, out, outs) if func.overloadpacket not in _NO_KERNEL else None
             if key is not None and key not in _META_RESULTS:
                 try:
@@ -451,8 +452,11 @@ class _Tracker(TorchDispatchMode):
                     _META_RESULTS[key] = None
                 if len(_META_RESULTS) > 200_000:
                     _META_RESULTS.clear()
-        for t in outs:
-            self.track(t)
+        if type(out) is torch.Tensor:
+            self.track(out)
+        else:
+            for t in _tensors(out):
+                self.track(t)
         if op is not None:
             self.op_list.append(op)
         return out
@@ -470,6 +474,7 @@ class _Tracker(TorchDispatchMode):
         cat = category or self.category
         self.live[key] = [n, cat]
         self.by_cat[cat] += n
+        self.all += n
         self.refs[key] = weakref.ref(st, functools.partial(self._freed, key))
         self._update()
 
@@ -489,11 +494,12 @@ class _Tracker(TorchDispatchMode):
         self.refs.pop(key, None)
         if entry is not None:
             self.by_cat[entry[1]] -= entry[0]
+            self.all -= entry[0]
 
     def _update(self):
         off = self.by_cat.get(OFFLOADED, 0)  # CPU copies of saved activations: not on the device
         self.offloaded_peak = max(self.offloaded_peak, off)
-        total = sum(self.by_cat.values()) - off
+        total = self.all - off
         act = total - self.by_cat.get("param_grad", 0)
         seg = self.segments.setdefault(self.segment, [0, {}, 0, {}])
         if act > seg[0]:
