@@ -392,11 +392,18 @@ def make_shape(cfg: Config, hw: Hardware, avail: Availability, world: int = 1) -
                     nvme=hw.nvme if cfg.memory.nvme_path and hw.nvme else None, packed=packs_samples(cfg.data))
 
 
-def _head_problem(config, trust_remote_code: bool) -> str | None:
-    """Why this architecture's loss cannot be chunked, from a one-layer meta model (None: it can)."""
-    from launcher.memory.shape import build_meta_model, with_depth
+_HEAD_PROBLEMS: dict = {}
 
-    return head_problem(build_meta_model(with_depth(config, 1), trust_remote_code=trust_remote_code))
+
+def _head_problem(config, trust_remote_code: bool) -> str | None:
+    """Why this architecture's loss cannot be chunked, from a one-layer meta model (None: it can); once per config
+    (``--compare-gpus`` plans one model for every card)."""
+    from launcher.memory.shape import build_meta_model, config_key, with_depth
+
+    key = (config_key(config), trust_remote_code)
+    if key not in _HEAD_PROBLEMS:
+        _HEAD_PROBLEMS[key] = head_problem(build_meta_model(with_depth(config, 1), trust_remote_code=trust_remote_code))
+    return _HEAD_PROBLEMS[key]
 
 
 def plan(cfg: Config, hw: Hardware, profiles: list[str] | None = None, *, world: int = 1,
