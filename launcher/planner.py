@@ -285,9 +285,9 @@ def _plan_profile(p: Profile, run: RunShape, micro_batch: int, gpu_budget: int, 
         lower_bound = True
     else:
         if run.chunked_mode == AUTO and run.head_problem is None and not run.chunked_loss:
-            # The search sizes the plain loss's logits from micro-batch 2 (each row's logits are its own, so
-            # they grow in proportion): where it then chunks, the plain loss costs no traces of its own.
-            small = 2 if not exact and micro_batch > 3 else micro_batch
+            # The plain loss's logits are sized from micro-batch 2 (each row's logits are its own, so they grow
+            # in proportion): where the run then chunks, the plain loss costs no traces at its own micro-batch.
+            small = 2 if micro_batch > 3 else micro_batch
             plain = _activations(run, _family(p), small, exact)
             logits = _activation_parts(plain, with_grads=False).get("logits", 0) * micro_batch // small
             if logits > CHUNK_SHARE * (gpu_budget if on_gpu else cpu_budget):
