@@ -421,8 +421,8 @@ class _Tracker(TorchDispatchMode):
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        # torch wraps a mode's __torch_dispatch__ in torch._disable_dynamo unless this says no: a wrapper call
-        # per op (a tenth of a trace's time) for nothing, as a trace never runs under torch.compile
+        # torch wraps a mode's __torch_dispatch__ in torch._disable_dynamo unless this says no: two more Python
+        # calls per op of the step, for nothing, as a trace never runs under torch.compile
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
