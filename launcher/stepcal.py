@@ -109,7 +109,8 @@ def _quiet_stderr():
 
 
 def _measure(ref: dict, precision: str, steps: int, profiled: int) -> dict:
-    """Wall time of a step (median of ``steps``) and its profiler attribution (mean of ``profiled``)."""
+    """Wall time of a step (median of ``steps``) and its profiler attribution over ``profiled`` steps (each op
+    shape priced at the median of its calls)."""
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoModelForCausalLM
 
@@ -143,23 +144,30 @@ def _measure(ref: dict, precision: str, steps: int, profiled: int) -> dict:
     finally:
         with _quiet_stderr():
             prof.stop()
-    matmuls: dict = defaultdict(lambda: [0, 0.0])  # (dtype-less shape key, flops) -> [calls, self seconds]
+    # Each call's self time, by op and input shapes. A call's price is the median over the calls of its shape:
+    # on a shared machine one call the scheduler preempted can take longer than the whole step, and a sum or
+    # mean over the profiled steps would hand that to every call of the shape.
+    calls: dict = defaultdict(list)
+    for e in prof.events():
+        if e.name in MATMULS or ("scaled_dot_product" in e.name and "flash_attention" in e.name):
+            calls[(e.name, str(e.input_shapes))].append((e.self_cpu_time_total / 1e6, e.input_shapes))
+    matmuls: list = []  # [flops, seconds per call]
     mm_s = attention_s = 0.0
-    for e in prof.key_averages(group_by_input_shape=True):
-        self_s = e.self_cpu_time_total / 1e6 / profiled
-        if e.key in MATMULS:
+    for (name, _), timed in calls.items():
+        per_call = statistics.median(s for s, _ in timed)
+        per_step = per_call * len(timed) / profiled
+        if name in MATMULS:
             try:
-                flops = _matmul_flops(MATMULS[e.key], e.input_shapes)
+                flops = _matmul_flops(MATMULS[name], timed[0][1])
             except (IndexError, TypeError):
                 continue
-            entry = matmuls[(e.key, str(e.input_shapes))]
-            entry[0], entry[1] = flops, entry[1] + self_s * profiled / max(1, e.count)  # seconds per call
-            mm_s += self_s
-        elif "scaled_dot_product" in e.key and "flash_attention" in e.key:
-            attention_s += self_s
+            matmuls.append([flops, per_call])
+            mm_s += per_step
+        else:
+            attention_s += per_step
     return {"config": {k: v for k, v in ref.items()}, "precision": precision, "step_s": statistics.median(times),
             "step_best_s": min(times), "matmul_s": mm_s, "attention_s": attention_s,
-            "matmul_calls": [[f, s] for f, s in matmuls.values()]}
+            "matmul_calls": matmuls}
 
 
 def fit_step_costs(rows: list, floor_per_byte: float) -> tuple[float, float, float]:
@@ -170,7 +178,8 @@ def fit_step_costs(rows: list, floor_per_byte: float) -> tuple[float, float, flo
     * the two steps that touch the fewest bytes (the smallest model at two depths) differ almost only in their
       op count: their difference is the cost of an op, and what the shallower one has left the cost paid once
       (the bytes of both priced at ``floor_per_byte``, the looped streaming rate, then again at the per-byte
-      cost found);
+      cost found); where that leaves the shallower step less than its ops' cost, one of the two was slowed
+      by noise, and both are fitted by an op cost alone;
     * every other step then gives a cost per byte for what it has left; the median is kept, never below the
       floor (an elementwise op does not run faster than memory streams)."""
     by_bytes = sorted(rows, key=lambda r: r[0][1])
@@ -178,8 +187,14 @@ def fit_step_costs(rows: list, floor_per_byte: float) -> tuple[float, float, flo
     (k2, b2, _), y2 = by_bytes[1]
     per_byte = floor_per_byte
     for _ in range(2):  # then once more, with the small steps' few bytes at the per-byte cost found
-        op_s = max(0.0, (y2 - y1 - (b2 - b1) * per_byte) / (k2 - k1)) if k2 != k1 else 0.0
-        once = max(0.0, y1 - k1 * op_s - b1 * per_byte)
+        r1, r2 = y1 - b1 * per_byte, y2 - b2 * per_byte  # what the ops and the once-paid cost are left
+        op_s = max(0.0, (r2 - r1) / (k2 - k1)) if k2 != k1 else 0.0
+        once = r1 - k1 * op_s
+        if once < 0:
+            # The deeper step grew more than its ops did: noise in one of the two medians (a shared machine
+            # slowed one of them). Their difference would price every op above what the shallower step cost
+            # in all, so nothing is paid once and the cost of an op is the least-squares one of both steps.
+            op_s, once = max(0.0, (k1 * r1 + k2 * r2) / (k1 * k1 + k2 * k2)), 0.0
         per = [(y - k * op_s - once) / b for (k, b, _), y in by_bytes[2:] if b > 0]
         per_byte = max(floor_per_byte, statistics.median(per)) if per else floor_per_byte
     return op_s, per_byte, once
