@@ -37,7 +37,8 @@ again on the CPU (``host``; on a CPU-only machine ``host`` is ``compute``, measu
 * **engines**: each engine family's own fixed cost per micro-batch and per optimizer step, fixed, per
   parameter tensor and per parameter: real engines (``launcher.engines.build``) around tiny Llamas of two
   depths (different tensor counts) and a wider one (``engine_wide``: many more parameters per tensor),
-  accumulation 2, several steps timed call by call: the non-boundary micro-batch is the micro-batch cost;
+  accumulation 2, several steps timed call by call, in two rounds over all the families (each model keeps
+  its fastest step of both, see :func:`_engines`): the non-boundary micro-batch is the micro-batch cost;
   the boundary micro-batch plus ``step()`` minus it is the step's cost. From each is
   subtracted what :func:`steptime.predict` already prices for that model (its compute from the planner's own
   trace of it, memory traffic, copies, the optimizer at the rates just measured); the rest, over the three
@@ -132,7 +133,8 @@ class Sizes:
     # (layers, hidden) of a wider model, 21x the parameters of the deeper one for 80% of its tensors: the engines'
     # cost per parameter (their passes over weights and gradients: casts, copies to fp32 partitions, shards)
     engine_wide: tuple | None = (2, 256)
-    engine_steps: int = 5  # timed optimizer steps per depth, after one warm-up
+    engine_steps: int = 3  # timed optimizer steps per model and round, after one warm-up
+    engine_rounds: int = 2  # every family's models timed once per round (see _engines)
     families: tuple = FAMILIES
     deepspeed: bool = True  # its optimizers and engines (importing it and loading its ops: seconds)
     disk_bytes: int = 128 * MiB
@@ -144,7 +146,8 @@ class Sizes:
                    attention_gpu=(1, 4, 256, 64), memory_bytes=4 * MiB, memory_bytes_gpu=16 * MiB, copy_bytes=4 * MiB,
                    view_chain=16, step_depths=(1, 2), optimizer_params=256 * 1024, optimizer_params_gpu=1 * MiB,
                    optimizer_tensors=(32, 256), optimizer_steps=1, engine_depths=(1, 2), engine_wide=None,
-                   engine_steps=2, families=("amp",), deepspeed=False, disk_bytes=1 * MiB, in_step=False)
+                   engine_steps=2, engine_rounds=1, families=("amp",), deepspeed=False, disk_bytes=1 * MiB,
+                   in_step=False)
 
 
 def nonneg_lstsq(rows: list[list[float]], ys: list[float]) -> list[float]:
@@ -793,37 +796,55 @@ def _time_engine(p, cfg, hw, device: torch.device, depth: int, s: Sizes, hidden:
 
 
 def _engines(machine: Machine, device: torch.device, s: Sizes, raw: dict, skipped: dict) -> dict:
-
+    """Each family's fixed costs. The families are timed in ``s.engine_rounds`` rounds, each round timing every
+    family's models once, and each model keeps its fastest step over all rounds: a stretch of seconds in which
+    the machine is slowed (a neighbour, the hypervisor) slows every step of the model timed then, and its
+    fastest step with them. On a 2-core box one such stretch made the FSDP family's wide model 3x slower
+    than the calibration before, and its cost per parameter, carried to a 125M-parameter model, priced
+    3.6 s a micro-batch that were never paid."""
     cfg = load_config(None, [f"device={device.type}"])
     hw = probe()
     gpu = hw.gpu(device.index or 0) if device.type == "cuda" else None
-    out = {}
     extra = [f for f in CPU_EXTRA if f.split("@")[0] in s.families] if gpu is None else []
+    models = [(d, None) for d in s.engine_depths] + ([s.engine_wide] if s.engine_wide else [])
+    families, runs, seconds = {}, {}, {}
     for fam in (*s.families, *extra):
         p = profile_for(fam, gpu.bf16 if gpu else None)
         problem = _engine_problem(p, cfg, hw, device) if s.deepspeed or p.engine != "deepspeed" else (
             "left out (a quick calibration)")
         if problem:
             skipped[f"engine {fam}"] = f"{p.name}: {problem}"
-            continue
-        t = time.perf_counter()
-        micro_rows, step_rows, runs = [], [], []
-        try:
-            models = [(d, None) for d in s.engine_depths] + ([s.engine_wide] if s.engine_wide else [])
-            for depth, hidden in models:
-                run = _time_engine(p, cfg, hw, device, depth, s, hidden)
-                pred_micro, pred_step, tensors, params = _predicted(p, machine, depth, device, run["pinned"], hidden)
-                m = min(run["micro_s"])
-                st = min(run["boundary_and_step_s"]) - m
-                run.update(tensors=tensors, params=params, predicted_micro_s=pred_micro, predicted_step_s=pred_step)
-                runs.append(run)
-                micro_rows.append(([1.0, float(tensors), float(params)], m - pred_micro))
-                step_rows.append(([1.0, float(tensors), float(params)], st - pred_step))
-        except Exception as e:  # noqa: BLE001 -- one engine that fails here is reported, the others still measured
-            skipped[f"engine {fam}"] = f"{p.name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            continue
-        finally:
-            restore_torch_functions()  # ZeRO-3 replaces torch.nn.functional.linear for the whole process
+        else:
+            families[fam], runs[fam], seconds[fam] = p, [None] * len(models), 0.0
+    for _ in range(s.engine_rounds):
+        for fam, p in list(families.items()):
+            t = time.perf_counter()
+            try:
+                for i, (depth, hidden) in enumerate(models):
+                    run = _time_engine(p, cfg, hw, device, depth, s, hidden)
+                    if runs[fam][i] is None:
+                        runs[fam][i] = {**run, "build_s": [run["build_s"]]}
+                    else:
+                        kept = runs[fam][i]
+                        kept["build_s"].append(run["build_s"])
+                        kept["micro_s"] += run["micro_s"]
+                        kept["boundary_and_step_s"] += run["boundary_and_step_s"]
+            except Exception as e:  # noqa: BLE001 -- one engine that fails here is reported, the others still measured
+                skipped[f"engine {fam}"] = f"{p.name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                del families[fam]
+            finally:
+                restore_torch_functions()  # ZeRO-3 replaces torch.nn.functional.linear for the whole process
+                seconds[fam] += time.perf_counter() - t
+    out = {}
+    for fam, p in families.items():
+        micro_rows, step_rows = [], []
+        for (depth, hidden), run in zip(models, runs[fam]):
+            pred_micro, pred_step, tensors, params = _predicted(p, machine, depth, device, run["pinned"], hidden)
+            m = min(run["micro_s"])
+            st = min(run["boundary_and_step_s"]) - m
+            run.update(tensors=tensors, params=params, predicted_micro_s=pred_micro, predicted_step_s=pred_step)
+            micro_rows.append(([1.0, float(tensors), float(params)], m - pred_micro))
+            step_rows.append(([1.0, float(tensors), float(params)], st - pred_step))
         if not s.engine_wide:  # two models: no per-parameter term
             micro_rows = [(r[:2], y) for r, y in micro_rows]
             step_rows = [(r[:2], y) for r, y in step_rows]
@@ -831,8 +852,9 @@ def _engines(machine: Machine, device: torch.device, s: Sizes, raw: dict, skippe
         step = nonneg_lstsq([r for r, _ in step_rows], [y for _, y in step_rows]) + [0.0]
         out[fam] = {"micro_s": micro[0], "micro_tensor_s": micro[1], "micro_param_s": micro[2], "step_s": step[0],
                     "step_tensor_s": step[1], "step_param_s": step[2]}
-        raw.setdefault("engines", {})[fam] = {"profile": p.name, "runs": runs, "seconds": time.perf_counter() - t}
-        logger.info(f"calibrate: engine {fam} ({p.name}) in {time.perf_counter() - t:.1f} s")
+        raw.setdefault("engines", {})[fam] = {"profile": p.name, "runs": runs[fam], "seconds": seconds[fam],
+                                              "rounds": s.engine_rounds}
+        logger.info(f"calibrate: engine {fam} ({p.name}) in {seconds[fam]:.1f} s")
     return out
 
 

@@ -9,6 +9,7 @@ import os
 import time
 
 import pytest
+import torch
 
 from helpers import needs_deepspeed, run_cli
 from launcher import calibrate, steptime
@@ -129,6 +130,33 @@ def test_nonneg_least_squares():
     assert calibrate.nonneg_lstsq([[1, 1], [1, 3]], [3, 7]) == pytest.approx([1, 2])
     assert calibrate.nonneg_lstsq([[1, 1], [1, 3]], [5, 3]) == pytest.approx([4, 0])  # falling: no negative slope
     assert calibrate.nonneg_lstsq([[1, 1], [1, 3]], [-1, -2]) == [0, 0]
+
+
+def test_a_slowed_round_of_engine_timing_does_not_set_the_engine_costs(monkeypatch):
+    """Every model of a family keeps its fastest step over the rounds: the first round here runs 3x slow (a
+    neighbour), and the costs fitted are those of the second, as a calibration on a quiet machine gives."""
+    micro_s, tensor_s, param_s = 2e-3, 1e-5, 1e-8
+    sizes = {1: (12, 82_112), 4: (39, 229_952), 2: (21, 1_705_216)}
+    rounds = []
+
+    def timed(p, cfg, hw, device, depth, s, hidden=None):
+        slow = 3.0 if len(rounds) < 3 else 1.0  # the three models of round 1 are slowed
+        rounds.append(depth)
+        tensors, params = sizes[depth]
+        cost = micro_s + tensor_s * tensors + param_s * params
+        return {"depth": depth, "hidden": hidden or 64, "build_s": 0.0, "micro_s": [slow * cost] * s.engine_steps,
+                "boundary_and_step_s": [2 * slow * cost] * s.engine_steps, "pinned": False}
+
+    monkeypatch.setattr(calibrate, "_time_engine", timed)
+    monkeypatch.setattr(calibrate, "_engine_problem", lambda *a: None)
+    monkeypatch.setattr(calibrate, "_predicted", lambda p, m, depth, *a: (0.0, 0.0, *sizes[depth]))
+    s = calibrate.Sizes(families=("amp",), engine_depths=(1, 4), engine_wide=(2, 256))
+    raw, skipped = {}, {}
+    found = calibrate._engines(fake_machine(), torch.device("cpu"), s, raw, skipped)
+    assert len(rounds) == 3 * s.engine_rounds and not skipped
+    assert [found["amp"][k] for k in ("micro_s", "micro_tensor_s", "micro_param_s")] == pytest.approx(
+        [micro_s, tensor_s, param_s], rel=1e-3)
+    assert len(raw["engines"]["amp"]["runs"][0]["micro_s"]) == s.engine_steps * s.engine_rounds
 
 
 def test_the_keys_are_the_step_time_models():
