@@ -267,37 +267,32 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-_OP_KINDS: dict = {}  # op -> 'flops' (torch's FLOP counter has a formula), 'view' or 'memory'
+_OP_KINDS: dict = {}  # op -> (torch's FLOP counter has a formula for it, it returns views of its inputs)
 
 
-def _op_kind(func) -> str:
+def _op_kind(func) -> tuple[bool, bool]:
     kind = _OP_KINDS.get(func)
     if kind is None:
         returns = func._schema.returns
-        kind = _OP_KINDS[func] = (
-            "flops" if func.overloadpacket in flop_registry else
-            "view" if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns) else
-            "memory")
+        kind = _OP_KINDS[func] = (func.overloadpacket in flop_registry, bool(returns) and all(
+            r.alias_info is not None and not r.alias_info.is_write for r in returns))
     return kind
 
 
 def _op_key(func, args, kwargs, out, outs) -> OpKey:
-    kind = _op_kind(func)
-    if kind == "view" and args and isinstance(args[0], torch.Tensor):  # most ops of a step that always run
+    formula, view = _op_kind(func)
+    if view and not formula and args and isinstance(args[0], torch.Tensor):  # most ops of a step that always run
         return ("view", _dtype_name(args[0].dtype), 0, 0)
     ins = _tensors((args, kwargs))
     dtype = _dtype_name((ins or outs)[0].dtype) if (ins or outs) else ""
-    if kind == "flops":
+    if formula:
         try:
             flops = int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
         except Exception:  # noqa: BLE001 -- a formula that does not take these arguments: price it by bytes
             flops = 0
         if flops:
             return ("matmul", dtype, flops, _nbytes(ins) + _nbytes(outs))
-        returns = func._schema.returns
-        if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
-            return ("view", dtype, 0, 0)
-    elif kind == "view":
+    if view:
         return ("view", dtype, 0, 0)
     return ("memory", dtype, 0, _nbytes(ins) + _nbytes(outs))
 
@@ -323,7 +318,7 @@ def _record_attention(q, k, v, causal: bool, backward: bool) -> None:
         flops, nbytes = int(2.5 * flops), qkv + 2 * out + lse + qkv  # read q, k, v, out, dout, lse; write dq, dk, dv
     else:
         nbytes = qkv + out + lse
-    _ATTENTION_OPS[-1].append(("attention", str(q.dtype).replace("torch.", ""), int(flops), int(nbytes)))
+    _ATTENTION_OPS[-1].append(("attention", _dtype_name(q.dtype), int(flops), int(nbytes)))
 
 
 OFFLOADED = "offloaded"  # the tracker's category for CPU copies of saved activations
@@ -437,12 +432,11 @@ class _Tracker(TorchDispatchMode):
             except _Uncacheable:
                 pass
         hit = _META_RESULTS.get(key) if key is not None else None
+        out = _make(hit[0]) if hit is not None else func(*args, **kwargs)
+        outs = [out] if type(out) is torch.Tensor else _tensors(out)  # one output, most often: no walk
         if hit is not None:
-            out = _make(hit[0])
             op = hit[1]
         else:
-            out = func(*args, **kwargs)
-            outs = [out] if type(out) is torch.Tensor else _tensors(out)
             op = _op_key(func, args, kwargs, out, outs) if func.overloadpacket not in _NO_KERNEL else None
             if key is not None and key not in _META_RESULTS:
                 try:
@@ -452,11 +446,8 @@ class _Tracker(TorchDispatchMode):
                     _META_RESULTS[key] = None
                 if len(_META_RESULTS) > 200_000:
                     _META_RESULTS.clear()
-        if type(out) is torch.Tensor:
-            self.track(out)
-        else:
-            for t in _tensors(out):
-                self.track(t)
+        for t in outs:
+            self.track(t)
         if op is not None:
             self.op_list.append(op)
         return out
