@@ -1,0 +1,106 @@
+#!/usr/bin/env python
+"""How much the same training step's speed differs from one process to the next on this machine.
+
+    python scripts/bench_process_spread.py [--processes 8] [--blocks 3] [--steps 60] [--precision bf16] [--json OUT]
+
+Each process builds the smallest model the step-time calibration measures (``launcher.stepcal.REFERENCE[1]``:
+a Llama of hidden 64 and 4 layers, batch 1, sequence 8), runs 5 untimed forward + backward passes as the AMP
+engine runs them, then ``--blocks`` blocks of ``--steps`` timed ones, and reports each block's median step.
+The processes run one after another. A spread between processes well beyond the spread between the blocks of
+one process says that a calibration measured in one process and the runs it prices, each in their own, can
+disagree by that much on this machine, whatever the step-time model does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child(precision: str, blocks: int, steps: int) -> list[float]:
+    sys.path.insert(0, ROOT)
+    import torch
+
+    from launcher import stepcal
+
+    step = stepcal_step(stepcal, torch, precision)
+    for _ in range(5):
+        step()
+    medians = []
+    for _ in range(blocks):
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+        medians.append(statistics.median(times))
+    return medians
+
+
+def stepcal_step(stepcal, torch, precision: str):
+    from transformers import AutoModelForCausalLM
+
+    ref = stepcal.REFERENCE[1]
+    config = stepcal._config(ref)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model.train()
+    ids = torch.randint(0, config.vocab_size, (ref["batch"], ref["seq"]))
+    dtype = stepcal.PRECISIONS[precision]
+
+    def step():
+        with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--processes", type=int, default=8)
+    ap.add_argument("--blocks", type=int, default=3, help="timed blocks per process")
+    ap.add_argument("--steps", type=int, default=60, help="steps per block")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="bf16")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(child(a.precision, a.blocks, a.steps)))
+        return
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--precision", a.precision, "--blocks",
+           str(a.blocks), "--steps", str(a.steps)]
+    rows = []
+    for i in range(a.processes):
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if p.returncode:
+            sys.exit(f"process {i} failed:\n{p.stderr[-3000:]}")
+        blocks = json.loads(p.stdout.strip().splitlines()[-1])
+        rows.append(blocks)
+        print(f"process {i}: " + " ".join(f"{b * 1e3:.2f}" for b in blocks) + " ms", flush=True)
+    per_process = [statistics.median(r) for r in rows]
+    within = max(max(r) / min(r) for r in rows)
+    between = max(per_process) / min(per_process)
+    summary = (f"{a.precision} step of stepcal.REFERENCE[1], median per process {min(per_process) * 1e3:.2f} to "
+               f"{max(per_process) * 1e3:.2f} ms ({between:.2f}x) over {a.processes} processes; within one process "
+               f"the blocks differ by {within:.2f}x at most")
+    print(summary)
+    if a.json:
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+        with open(a.json, "w") as fh:
+            json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "args": {k: v for k, v in vars(a).items()
+                                                                        if k != "child"},
+                       "block_medians_s": rows, "between_processes": between, "within_process": within,
+                       "summary": summary}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
