@@ -1,14 +1,15 @@
 #!/usr/bin/env python
-"""How much the same training step's speed differs from one process to the next on this machine.
+"""How much the same training step's speed moves on this machine, from block to block of one process and between processes.
 
-    python scripts/bench_process_spread.py [--processes 8] [--blocks 3] [--steps 60] [--precision bf16] [--json OUT]
+    python scripts/bench_process_spread.py [--processes 8] [--blocks 3] [--steps 60] [--precision bf16] [--threads N]
+                                           [--json OUT]
 
 Each process builds the smallest model the step-time calibration measures (``launcher.stepcal.REFERENCE[1]``:
 a Llama of hidden 64 and 4 layers, batch 1, sequence 8), runs 5 untimed forward + backward passes as the AMP
 engine runs them, then ``--blocks`` blocks of ``--steps`` timed ones, and reports each block's median step.
-The processes run one after another. A spread between processes well beyond the spread between the blocks of
-one process says that a calibration measured in one process and the runs it prices, each in their own, can
-disagree by that much on this machine, whatever the step-time model does.
+The processes run one after another. How far apart the blocks are, within one process and between
+processes, says how far a calibration and the runs it prices, each timed at its own moment, can disagree on
+this machine, whatever the step-time model does.
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def child(precision: str, blocks: int, steps: int) -> list[float]:
+def child(precision: str, blocks: int, steps: int, threads: int) -> list[float]:
     sys.path.insert(0, ROOT)
     import torch
 
     from launcher import stepcal
+
+    if threads:
+        torch.set_num_threads(threads)
 
     step = stepcal_step(stepcal, torch, precision)
     for _ in range(5):
@@ -70,14 +74,15 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=3, help="timed blocks per process")
     ap.add_argument("--steps", type=int, default=60, help="steps per block")
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="bf16")
+    ap.add_argument("--threads", type=int, default=0, help="torch's intra-op threads (default: torch's own)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(child(a.precision, a.blocks, a.steps)))
+        print(json.dumps(child(a.precision, a.blocks, a.steps, a.threads)))
         return
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--precision", a.precision, "--blocks",
-           str(a.blocks), "--steps", str(a.steps)]
+           str(a.blocks), "--steps", str(a.steps), "--threads", str(a.threads)]
     rows = []
     for i in range(a.processes):
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -89,9 +94,10 @@ def main() -> None:
     per_process = [statistics.median(r) for r in rows]
     within = max(max(r) / min(r) for r in rows)
     between = max(per_process) / min(per_process)
-    summary = (f"{a.precision} step of stepcal.REFERENCE[1], median per process {min(per_process) * 1e3:.2f} to "
-               f"{max(per_process) * 1e3:.2f} ms ({between:.2f}x) over {a.processes} processes; within one process "
-               f"the blocks differ by {within:.2f}x at most")
+    threads = a.threads or "default"
+    summary = (f"{a.precision} step of stepcal.REFERENCE[1] at {threads} threads, median per process "
+               f"{min(per_process) * 1e3:.2f} to {max(per_process) * 1e3:.2f} ms ({between:.2f}x) over "
+               f"{a.processes} processes; within one process the blocks differ by {within:.2f}x at most")
     print(summary)
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
