@@ -799,8 +799,8 @@ def _engines(machine: Machine, device: torch.device, s: Sizes, raw: dict, skippe
     """Each family's fixed costs. The families are timed in ``s.engine_rounds`` rounds, each round timing every
     family's models once, and each model keeps its fastest step over all rounds: a stretch of seconds in which
     the machine is slowed (a neighbour, the hypervisor) slows every step of the model timed then, and its
-    fastest step with them. On a 2-core box one such stretch made the FSDP family's wide model 3x slower
-    than the calibration before, and its cost per parameter, carried to a 125M-parameter model, priced
+    fastest step with them. On a 2-core box one such stretch made the FSDP family's wide model 2.3-2.9x slower
+    than in the two calibrations before, and its cost per parameter, carried to a 125M-parameter model, priced
     3.6 s a micro-batch that were never paid."""
     cfg = load_config(None, [f"device={device.type}"])
     hw = probe()
