@@ -108,10 +108,9 @@ def _quiet_stderr():
         os.close(saved)
 
 
-def _measure(ref: dict, precision: str, steps: int, profiled: int) -> dict:
-    """Wall time of a step (median of ``steps``) and its profiler attribution over ``profiled`` steps (each op
-    shape priced at the median of its calls)."""
-    from torch.profiler import ProfilerActivity, profile
+def step_fn(ref: dict, precision: str):
+    """A forward + backward of the Llama ``ref`` as the AMP engine runs it (``torch.autocast`` for bf16), as a
+    function of no arguments (also timed by ``scripts/bench_process_spread.py``)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -128,6 +127,15 @@ def _measure(ref: dict, precision: str, steps: int, profiled: int) -> dict:
         loss.backward()
         model.zero_grad(set_to_none=True)
 
+    return step
+
+
+def _measure(ref: dict, precision: str, steps: int, profiled: int) -> dict:
+    """Wall time of a step (median of ``steps``) and its profiler attribution over ``profiled`` steps (each op
+    shape priced at the median of its calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = step_fn(ref, precision)
     for _ in range(2):
         step()
     times, until = [], time.perf_counter() + MIN_TIME_S

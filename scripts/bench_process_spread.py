@@ -34,7 +34,7 @@ def child(precision: str, blocks: int, steps: int, threads: int) -> list[float]:
     if threads:
         torch.set_num_threads(threads)
 
-    step = stepcal_step(stepcal, torch, precision)
+    step = stepcal.step_fn(stepcal.REFERENCE[1], precision)
     for _ in range(5):
         step()
     medians = []
@@ -46,26 +46,6 @@ def child(precision: str, blocks: int, steps: int, threads: int) -> list[float]:
             times.append(time.perf_counter() - t)
         medians.append(statistics.median(times))
     return medians
-
-
-def stepcal_step(stepcal, torch, precision: str):
-    from transformers import AutoModelForCausalLM
-
-    ref = stepcal.REFERENCE[1]
-    config = stepcal._config(ref)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    model.train()
-    ids = torch.randint(0, config.vocab_size, (ref["batch"], ref["seq"]))
-    dtype = stepcal.PRECISIONS[precision]
-
-    def step():
-        with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-
-    return step
 
 
 def main() -> None:
