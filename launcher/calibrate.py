@@ -84,7 +84,7 @@ from launcher import engines, planner, stepcal
 from launcher.availability import profile_problem
 from launcher.config import load_config
 from launcher.engines.deepspeed import restore_torch_functions
-from launcher.hardware import deepspeed_status, op_state, pin_memory_ok, probe, use_env_ninja
+from launcher.hardware import deepspeed_status, op_state, pin_memory_ok, probe, remember_cpu_info, use_env_ninja
 from launcher.log import logger
 from launcher.memory.trace import measure_step
 from launcher.models import weight_dtype
@@ -635,6 +635,7 @@ def optimizer_factories(gpu: bool, deepspeed: bool = True) -> list[tuple[str, st
         out += [("deepspeed_cpu_adam@cpu", "cpu", None, why),
                 (f"deepspeed_fused_adam@{'cuda' if gpu else 'cpu'}", "cuda" if gpu else "cpu", None, why)]
         return out
+    remember_cpu_info()  # each DeepSpeed optimizer and op load would probe the CPU again: seconds each
     why = _op_built("cpu_adam")
 
     def cpu_adam(ps):
@@ -655,33 +656,50 @@ def optimizer_factories(gpu: bool, deepspeed: bool = True) -> list[tuple[str, st
     return out
 
 
+def _optimizer_params(sizes: list[int], where: str) -> list[torch.nn.Parameter]:
+    params = []
+    for n in sizes:
+        p = torch.nn.Parameter(torch.randn(n, device=where) * 0.02)
+        p.grad = torch.randn(n, device=where) * 1e-3
+        params.append(p)
+    return params
+
+
 def _optimizers(gpu: bool, s: Sizes, raw: dict, skipped: dict) -> dict:
     out = {}
     count, size = s.optimizer_tensors
+    made: dict = {}  # where -> [(label, params)], made once and stepped by every optimizer there
     for key, where, factory, why in optimizer_factories(gpu, s.deepspeed):
         if factory is None:
             skipped[key] = why
             continue
         big_n = s.optimizer_params_gpu if where == "cuda" else s.optimizer_params
-        rows, ys, samples = [], [], {}
+        if where not in made:
+            made[where] = [(label, _optimizer_params(sizes, where))
+                           for label, sizes in (("one_tensor", [big_n]), ("small_tensors", [size] * count))]
+        rows, ys, samples, opt = [], [], {}, None
         try:
-            for label, shapes in (("one_tensor", [big_n]), ("small_tensors", [size] * count)):
-                params = []
-                for n in shapes:
-                    p = torch.nn.Parameter(torch.randn(n, device=where) * 0.02)
-                    p.grad = torch.randn(n, device=where) * 1e-3
-                    params.append(p)
-                opt = factory(params)
+            for label, params in made[where]:
+                if opt is None:
+                    opt = factory(params)
+                else:
+                    # One optimizer steps both sets in turn: its group takes the next set, its state (the moments)
+                    # starts empty. DeepSpeed's optimizers load their op and probe the CPU (py-cpuinfo) on every
+                    # construction: 2.4 s for each of them on a 2-core Xeon.
+                    opt.param_groups[0]["params"] = params
+                    opt.state.clear()
                 for _ in range(s.optimizer_steps):  # the first steps allocate the moments
                     opt.step()
                 best, median = _time(opt.step, s.min_time_s)
-                rows.append([float(sum(shapes)), float(len(shapes))])
+                rows.append([float(sum(p.numel() for p in params)), float(len(params))])
                 ys.append(best)
-                samples[label] = {"params": sum(shapes), "tensors": len(shapes), "best_s": best, "median_s": median}
-                del opt, params
+                samples[label] = {"params": int(rows[-1][0]), "tensors": len(params), "best_s": best,
+                                  "median_s": median}
         except Exception as e:  # noqa: BLE001 -- an optimizer that fails here is reported, not fatal to the rest
             skipped[key] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             continue
+        finally:
+            del opt
         out[key] = nonneg_lstsq(rows, ys)
         raw.setdefault("optimizers", {})[key] = samples
     return out
@@ -795,6 +813,19 @@ def _time_engine(p, cfg, hw, device: torch.device, depth: int, s: Sizes, hidden:
             "boundary_and_step_s": rest, "pinned": pinned}
 
 
+@contextlib.contextmanager
+def _frozen_heap():
+    """Within: ``gc.collect()`` walks only the objects made inside. Each engine timed is freed with a full
+    collection (DeepSpeed's engines hold reference cycles), and with torch, transformers and DeepSpeed loaded a
+    full collection walks millions of objects: 0.3 s each on a 2-core Xeon, 36 of them a third of the engines'
+    part. ``gc.freeze`` sets aside every object made before (none of the engines' garbage) until the end."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def _engines(machine: Machine, device: torch.device, s: Sizes, raw: dict, skipped: dict) -> dict:
     """Each family's fixed costs. The families are timed in ``s.engine_rounds`` rounds, each round timing every
     family's models once, and each model keeps its fastest step over all rounds: a stretch of seconds in which
@@ -816,25 +847,26 @@ def _engines(machine: Machine, device: torch.device, s: Sizes, raw: dict, skippe
             skipped[f"engine {fam}"] = f"{p.name}: {problem}"
         else:
             families[fam], runs[fam], seconds[fam] = p, [None] * len(models), 0.0
-    for _ in range(s.engine_rounds):
-        for fam, p in list(families.items()):
-            t = time.perf_counter()
-            try:
-                for i, (depth, hidden) in enumerate(models):
-                    run = _time_engine(p, cfg, hw, device, depth, s, hidden)
-                    if runs[fam][i] is None:
-                        runs[fam][i] = {**run, "build_s": [run["build_s"]]}
-                    else:
-                        kept = runs[fam][i]
-                        kept["build_s"].append(run["build_s"])
-                        kept["micro_s"] += run["micro_s"]
-                        kept["boundary_and_step_s"] += run["boundary_and_step_s"]
-            except Exception as e:  # noqa: BLE001 -- one engine that fails here is reported, the others still measured
-                skipped[f"engine {fam}"] = f"{p.name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                del families[fam]
-            finally:
-                restore_torch_functions()  # ZeRO-3 replaces torch.nn.functional.linear for the whole process
-                seconds[fam] += time.perf_counter() - t
+    with _frozen_heap():  # each _time_engine ends in gc.collect()
+        for _ in range(s.engine_rounds):
+            for fam, p in list(families.items()):
+                t = time.perf_counter()
+                try:
+                    for i, (depth, hidden) in enumerate(models):
+                        run = _time_engine(p, cfg, hw, device, depth, s, hidden)
+                        if runs[fam][i] is None:
+                            runs[fam][i] = {**run, "build_s": [run["build_s"]]}
+                        else:
+                            kept = runs[fam][i]
+                            kept["build_s"].append(run["build_s"])
+                            kept["micro_s"] += run["micro_s"]
+                            kept["boundary_and_step_s"] += run["boundary_and_step_s"]
+                except Exception as e:  # noqa: BLE001 -- one engine that fails here is reported, the others still measured
+                    skipped[f"engine {fam}"] = f"{p.name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                    del families[fam]
+                finally:
+                    restore_torch_functions()  # ZeRO-3 replaces torch.nn.functional.linear for the whole process
+                    seconds[fam] += time.perf_counter() - t
     out = {}
     for fam, p in families.items():
         micro_rows, step_rows = [], []

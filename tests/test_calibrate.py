@@ -159,6 +159,60 @@ def test_a_slowed_round_of_engine_timing_does_not_set_the_engine_costs(monkeypat
     assert len(raw["engines"]["amp"]["runs"][0]["micro_s"]) == s.engine_steps * s.engine_rounds
 
 
+def test_each_optimizer_is_made_once_and_steps_both_sets_from_an_empty_state(monkeypatch):
+    """DeepSpeed's optimizers load their op and probe the CPU on every construction (seconds each): one
+    optimizer per kind times the large tensor and then the small ones, whose moments start anew."""
+    made, steps = [], []
+
+    class Recording(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {})
+            made.append(self)
+
+        def step(self):
+            group = self.param_groups[0]["params"]
+            steps.append((len(group), group[0].numel(), sum(1 for p in group if p in self.state)))
+            for p in group:
+                self.state[p]["seen"] = True
+
+    monkeypatch.setattr(calibrate, "optimizer_factories",
+                        lambda gpu, deepspeed=True: [("recording@cpu", "cpu", Recording, None)])
+    s = calibrate.Sizes.quick()
+    raw, skipped = {}, {}
+    found = calibrate._optimizers(False, s, raw, skipped)
+    count, size = s.optimizer_tensors
+    assert len(made) == 1 and not skipped and "recording@cpu" in found
+    big = [x for x in steps if x[0] == 1]
+    small = [x for x in steps if x[0] == count]
+    assert big and small and len(big) + len(small) == len(steps)
+    assert steps.index(small[0]) == len(big)  # the large tensor first, then the small ones
+    assert big[0][1] == s.optimizer_params and small[0][1] == size
+    assert big[0][2] == 0 and small[0][2] == 0  # each set's first step finds no state
+    samples = raw["optimizers"]["recording@cpu"]
+    assert samples["one_tensor"]["params"] == s.optimizer_params and samples["small_tensors"]["tensors"] == count
+
+
+def test_the_heap_is_frozen_only_while_engines_are_timed():
+    """gc.collect() inside walks only what was made inside (a cycle made there is still freed), and the heap is
+    unfrozen after, also when the timing fails."""
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    with pytest.raises(RuntimeError), calibrate._frozen_heap():
+        assert gc.get_freeze_count() > 0
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        gone = weakref.ref(a)
+        del a, b
+        gc.collect()
+        assert gone() is None
+        raise RuntimeError("an engine failed")
+    assert gc.get_freeze_count() == 0
+
+
 def test_the_keys_are_the_step_time_models():
     """Each family calibrated by the catalogue profile the step-time model files under it, and an optimizer
     measured for every kind a profile steps with."""

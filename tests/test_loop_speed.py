@@ -186,6 +186,28 @@ def test_use_env_ninja_puts_this_environments_ninja_first(monkeypatch):
         assert os.environ["PATH"].split(os.pathsep)[0] == os.path.dirname(mine)
 
 
+def test_remember_cpu_info_probes_the_cpu_once_and_hands_out_copies(monkeypatch):
+    """DeepSpeed asks py-cpuinfo for every op it loads, each call a subprocess of seconds: the first answer is
+    kept for the process, and no caller can change what the next one gets."""
+    import types
+
+    calls = []
+
+    def probe():
+        calls.append(1)
+        return {"arch": "X86_64", "flags": ["avx2"]}
+
+    fake = types.ModuleType("cpuinfo")
+    fake.get_cpu_info = probe
+    monkeypatch.setitem(sys.modules, "cpuinfo", fake)
+    hardware.remember_cpu_info()
+    hardware.remember_cpu_info()  # a second call keeps the first wrapper
+    first = fake.get_cpu_info()
+    first["arch"] = "changed by a caller"
+    assert fake.get_cpu_info() == {"arch": "X86_64", "flags": ["avx2"]}
+    assert len(calls) == 1
+
+
 def test_ops_a_deepspeed_engine_loads():
     from launcher.engines.deepspeed import ops_loaded
 

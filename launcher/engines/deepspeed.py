@@ -13,7 +13,7 @@ import torch
 
 from launcher import dist
 from launcher.engines.base import Levers, StepResult, batch_to, forward_loss
-from launcher.hardware import clear_stale_op_locks, op_state, use_env_ninja
+from launcher.hardware import clear_stale_op_locks, op_state, remember_cpu_info, use_env_ninja
 from launcher.log import logger
 from launcher.models import save_final
 
@@ -59,6 +59,7 @@ class DeepSpeedEngine:
 
         dist.ensure_env()
         ninja = use_env_ninja()  # the same ninja at every entry point, so an op built once is reused
+        remember_cpu_info()  # DeepSpeed probes the CPU anew for every op it loads
         if dist.current().local_rank == 0:
             for path in clear_stale_op_locks():
                 logger.info(f"removed a stale DeepSpeed op build lock left by a killed run: {path}")
