@@ -108,16 +108,23 @@ def _quiet_stderr():
         os.close(saved)
 
 
-def step_fn(ref: dict, precision: str):
-    """A forward + backward of the Llama ``ref`` as the AMP engine runs it (``torch.autocast`` for bf16), as a
-    function of no arguments (also timed by ``scripts/bench_process_spread.py``)."""
+def reference_model(ref: dict):
+    """The Llama ``ref`` in fp32, in training mode (seeded: the same weights every time)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = _config(ref)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(_config(ref), attn_implementation="sdpa")
     model.config.use_cache = False
-    model.train()
+    return model.train()
+
+
+def step_fn(ref: dict, precision: str, model=None):
+    """A forward + backward of the Llama ``ref`` as the AMP engine runs it (``torch.autocast`` for bf16), as a
+    function of no arguments (also timed by ``scripts/bench_process_spread.py``). ``model``: that of
+    :func:`reference_model`, made already (the largest takes a second to make)."""
+    model = model if model is not None else reference_model(ref)
+    config = model.config
+    torch.manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (ref["batch"], ref["seq"]))
     dtype = PRECISIONS[precision]
 
@@ -130,12 +137,49 @@ def step_fn(ref: dict, precision: str):
     return step
 
 
-def _measure(ref: dict, precision: str, steps: int, profiled: int) -> dict:
+def _priced(name: str) -> bool:
+    return name in MATMULS or ("scaled_dot_product" in name and "flash_attention" in name)
+
+
+def self_times(prof, wanted) -> list[tuple[str, list, float]]:
+    """(name, input shapes, self seconds) of each CPU op call ``wanted(name)`` accepts in a stopped
+    ``torch.profiler`` run: its time less that of the calls nested directly in it on its thread, what
+    ``prof.events()`` gives as ``self_cpu_time_total``. Read from the profiler's raw records: ``events()`` builds a
+    Python object and a tree of every call first, 0.1-1 s for each profiled reference step here (3000-8000
+    calls), about 5 s of a calibration, for the two hundred calls priced."""
+    from torch.autograd import DeviceType
+
+    threads: dict = defaultdict(list)
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() == DeviceType.CPU:
+            threads[e.start_thread_id()].append(e)
+    out = []
+    for events in threads.values():
+        events.sort(key=lambda e: (e.start_ns(), -e.end_ns()))
+        stack: list = []  # [event, nanoseconds of its direct children]
+
+        def close(item):
+            e, children = item
+            if wanted(e.name()):
+                out.append((e.name(), e.shapes(), (e.duration_ns() - children) / 1e9))
+
+        for e in events:
+            while stack and stack[-1][0].end_ns() <= e.start_ns():
+                close(stack.pop())
+            if stack:
+                stack[-1][1] += e.duration_ns()
+            stack.append([e, 0])
+        while stack:
+            close(stack.pop())
+    return out
+
+
+def _measure(ref: dict, precision: str, steps: int, profiled: int, model=None) -> dict:
     """Wall time of a step (median of ``steps``) and its profiler attribution over ``profiled`` steps (each op
     shape priced at the median of its calls)."""
     from torch.profiler import ProfilerActivity, profile
 
-    step = step_fn(ref, precision)
+    step = step_fn(ref, precision, model)
     for _ in range(2):
         step()
     times, until = [], time.perf_counter() + MIN_TIME_S
@@ -156,9 +200,8 @@ def _measure(ref: dict, precision: str, steps: int, profiled: int) -> dict:
     # on a shared machine one call the scheduler preempted can take longer than the whole step, and a sum or
     # mean over the profiled steps would hand that to every call of the shape.
     calls: dict = defaultdict(list)
-    for e in prof.events():
-        if e.name in MATMULS or ("scaled_dot_product" in e.name and "flash_attention" in e.name):
-            calls[(e.name, str(e.input_shapes))].append((e.self_cpu_time_total / 1e6, e.input_shapes))
+    for name, shapes, self_s in self_times(prof, _priced):
+        calls[(name, str(shapes))].append((self_s, shapes))
     matmuls: list = []  # [flops, seconds per call]
     mm_s = attention_s = 0.0
     for (name, _), timed in calls.items():
@@ -233,6 +276,7 @@ def measure(work, view_s: float, raw: dict, skipped: dict, *, steps: int = 6, pr
     ``{"op_s", "bytes_per_s", "micro_s"}``); what could not be measured is left out and said in ``skipped``."""
     out: dict = {"matmul": {}, "attention": {}, "step_costs": {}}
     samples = raw.setdefault("in_step", {})
+    models: dict = {}  # each reference made once, stepped in every precision
     for precision in precisions:
         dtype_name = "float32" if precision == "fp32" else "bfloat16"
         if dtype_name not in work.matmul:
@@ -240,8 +284,10 @@ def measure(work, view_s: float, raw: dict, skipped: dict, *, steps: int = 6, pr
             continue
         rows, points, att_flops, att_s = [], [], 0.0, 0.0
         try:
-            for ref in references:
-                m = _measure(ref, precision, steps, profiled)
+            for i, ref in enumerate(references):
+                if i not in models:
+                    models[i] = reference_model(ref)
+                m = _measure(ref, precision, steps, profiled, models[i])
                 ops = _traced_ops(_config(ref), precision, ref["batch"], ref["seq"])
                 mm_ops = {k: c for k, c in ops.items() if k[0] == "matmul"}
                 at_ops = {k: c for k, c in ops.items() if k[0] == "attention"}

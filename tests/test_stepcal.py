@@ -13,6 +13,27 @@ def test_matmul_flops_from_profiler_shapes():
     assert stepcal._matmul_flops("bmm", [[4, 128, 64], [4, 64, 32]]) == 2 * 4 * 128 * 64 * 32
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_self_times_are_the_profilers_own(precision):
+    """The matmul and attention calls priced, read from the profiler's raw records, with the same self time to the
+    nanosecond as ``prof.events()`` gives after building its tree of every call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = stepcal.step_fn({**stepcal.REFERENCE[2], "seq": 16}, precision)
+    step()
+    prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+    with stepcal._quiet_stderr():
+        prof.start()
+    step()
+    with stepcal._quiet_stderr():
+        prof.stop()
+    mine = sorted((n, str(s), round(t * 1e9)) for n, s, t in stepcal.self_times(prof, stepcal._priced))
+    theirs = sorted((e.name, str(e.input_shapes), round(e.self_cpu_time_total * 1e3)) for e in prof.events()
+                    if stepcal._priced(e.name))
+    assert mine == theirs and len(mine) > 20
+    assert any("flash_attention" in n for n, *_ in mine)
+
+
 def test_curve_takes_the_median_per_size_and_continues_with_the_looped_shape():
     points = [[1e6, 1e10], [1e6, 3e10], [1e6, 2e10], [1e8, 5e10]]
     looped = [[1e6, 4e10], [1e8, 1e11], [1e10, 2e11]]
