@@ -55,8 +55,8 @@ speed; the median is kept in ``measured``, with the load average before and afte
 a busy machine says so. On a busy CPU the fastest repeat does not help much: every parallel op waits for
 threads the scheduler has put aside (a 256 x 256 matmul took 0.3 ms on one thread and 20 ms on two, 2-core
 EPYC at load average 9), so a 256 x 256 matmul is timed on one thread and on all of them first, and a
-contended CPU is warned about. It costs 30 s on one thread of a busy 2-core EPYC (48-81 s on two), most of it
-building DeepSpeed engines and tracing the tiny models, and about 400 MiB of RAM (2 GiB of GPU memory).
+contended CPU is warned about. It costs 43-46 s on a 2-core Xeon at two threads (``scripts/bench_calibration.py``),
+half of it the in-step reference steps, and about 400 MiB of RAM (2 GiB of GPU memory).
 
 The cache: one JSON per machine key (device name, driver and CUDA versions, CPU model, threads, torch and
 DeepSpeed versions) under :func:`launcher.paths.cache_root` (``~/.cache/vramfit`` by default), written
@@ -817,7 +817,7 @@ def _time_engine(p, cfg, hw, device: torch.device, depth: int, s: Sizes, hidden:
 def _frozen_heap():
     """Within: ``gc.collect()`` walks only the objects made inside. Each engine timed is freed with a full
     collection (DeepSpeed's engines hold reference cycles), and with torch, transformers and DeepSpeed loaded a
-    full collection walks millions of objects: 0.3 s each on a 2-core Xeon, 36 of them a third of the engines'
+    full collection walks about 390,000 objects: 0.28 s each on a 2-core Xeon, 36 of them 10 s of the engines'
     part. ``gc.freeze`` sets aside every object made before (none of the engines' garbage) until the end."""
     gc.freeze()
     try:
