@@ -55,8 +55,9 @@ speed; the median is kept in ``measured``, with the load average before and afte
 a busy machine says so. On a busy CPU the fastest repeat does not help much: every parallel op waits for
 threads the scheduler has put aside (a 256 x 256 matmul took 0.3 ms on one thread and 20 ms on two, 2-core
 EPYC at load average 9), so a 256 x 256 matmul is timed on one thread and on all of them first, and a
-contended CPU is warned about. It costs 43-46 s on a 2-core Xeon at two threads (``scripts/bench_calibration.py``),
-over half of it the CPU's rates (most of those the in-step reference steps), and about 400 MiB of RAM (2 GiB of GPU memory).
+contended CPU is warned about. It costs 43-46 s on a 2-core Xeon at two threads
+(``scripts/bench_calibration.py``), over half of it the CPU's rates (most of those the in-step reference
+steps), and about 400 MiB of RAM (2 GiB of GPU memory).
 
 The cache: one JSON per machine key (device name, driver and CUDA versions, CPU model, threads, torch and
 DeepSpeed versions) under :func:`launcher.paths.cache_root` (``~/.cache/vramfit`` by default), written
