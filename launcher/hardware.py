@@ -349,6 +349,7 @@ def build_ops() -> str:
     acc = get_accelerator()
     lines = [ninja_report()]
     use_env_ninja()  # the ninja every run uses (see use_env_ninja): a build by another one would not be reused
+    remember_cpu_info()  # DeepSpeed probes the CPU anew for every op it builds
     if acc.device_name() == "cpu":
         # The shared-memory comm op through DeepSpeed's own call, the one its process group makes.
         from deepspeed.comm.torch import build_shm_op
