@@ -401,11 +401,14 @@ _HEAD_PROBLEMS: dict = {}
 def _head_problem(config, trust_remote_code: bool) -> str | None:
     """Why this architecture's loss cannot be chunked, from a one-layer meta model (None: it can); once per config
     (``--compare-gpus`` plans one model for every card)."""
-    from launcher.memory.shape import build_meta_model, config_key, with_depth
+    from launcher.memory.shape import build_meta_model, config_key, remembered, with_depth
 
     key = (config_key(config), trust_remote_code)
     if key not in _HEAD_PROBLEMS:
-        _HEAD_PROBLEMS[key] = head_problem(build_meta_model(with_depth(config, 1), trust_remote_code=trust_remote_code))
+        _HEAD_PROBLEMS[key] = remembered(
+            ("head_problem", *key),
+            lambda: head_problem(build_meta_model(with_depth(config, 1), trust_remote_code=trust_remote_code)),
+            lambda problem: {"problem": problem}, lambda d: d["problem"])
     return _HEAD_PROBLEMS[key]
 
 

@@ -7,11 +7,13 @@ decoder layers on the meta device, a fifth of a second each for a 7B Llama, and 
 trace settings) and on the code that made it, so :class:`TraceStore` keeps each one in a gzip'd JSON file
 under ``cache_root()/traces``, named by a hash of the key and of everything that could change the result:
 vramfit's own source, torch's, transformers' and peft's versions. A later ``plan``, ``train``, ``tune`` or
-``bench`` of the same model reads them back (about a millisecond each). A file that does not read back, or
-holds another key, is ignored and replaced; a cache that cannot be written never stops a plan.
+``bench`` of the same model reads them back (about a millisecond each), and with them what the plan derives
+from the model's meta copies (its parameter counts, whether its loss can be chunked), so that a plan whose
+traces are all kept builds no model. A file that does not read back, or holds another key, is ignored and
+replaced; a cache that cannot be written never stops a plan.
 ``VRAMFIT_TRACE_CACHE=off`` turns it off. The oldest files go when there are more than ``MAX_FILES``.
 
-The store is installed by the command line (:func:`install`); :mod:`launcher.memory.estimate` itself does no I/O.
+The store is installed by the command line (:func:`install`); :mod:`launcher.memory` itself does no I/O.
 ``vramfit plan`` also traces in several processes (:func:`workers`, ``VRAMFIT_TRACE_WORKERS``).
 """
 
@@ -29,7 +31,7 @@ from collections import Counter
 from importlib import metadata
 
 from launcher.config import ConfigError
-from launcher.memory import estimate
+from launcher.memory import estimate, shape
 from launcher.memory.trace import StepTrace
 from launcher.paths import cache_root
 
@@ -82,29 +84,27 @@ class TraceStore:
         text = repr(key)
         return os.path.join(self.dir, hashlib.sha256(f"{self.version}\n{text}".encode()).hexdigest()[:40] + ".json.gz"), text
 
-    def get(self, key) -> StepTrace | None:
+    def _read(self, key) -> dict | None:
         path, text = self._path(key)
         try:
             with open(path, "rb") as fh:
                 d = json.loads(gzip.decompress(fh.read()))
-            if d.get("key") != text or d.get("version") != self.version:
+            if not isinstance(d, dict) or d.get("key") != text or d.get("version") != self.version:
                 return None
-            out = decode(d["trace"])
+            return d
         except FileNotFoundError:
             return None
-        except (OSError, EOFError, zlib.error, ValueError, KeyError, TypeError):  # damaged: traced again, rewritten
+        except (OSError, EOFError, zlib.error, ValueError):  # damaged: made again, rewritten
             return None
-        self.hits += 1
-        return out
 
-    def put(self, key, t: StepTrace) -> None:
+    def _write(self, key, payload: dict) -> None:
         path, text = self._path(key)
         try:
             os.makedirs(self.dir, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
             try:
                 # json.dumps, not json.dump: dump streams through the pure-Python encoder, six times slower here
-                text_out = json.dumps({"key": text, "version": self.version, "trace": encode(t)})
+                text_out = json.dumps({"key": text, "version": self.version, **payload})
                 with os.fdopen(fd, "wb") as raw:
                     raw.write(gzip.compress(text_out.encode(), compresslevel=6))
                 os.replace(tmp, path)
@@ -114,8 +114,33 @@ class TraceStore:
             self.writes += 1
             if self.writes % 64 == 1:
                 self.prune()
-        except OSError:  # a full or read-only cache folder: this process keeps its traces in memory
+        except OSError:  # a full or read-only cache folder: this process keeps what it made in memory
             pass
+
+    def get(self, key) -> StepTrace | None:
+        d = self._read(key)
+        try:
+            out = decode(d["trace"]) if d is not None else None
+        except (KeyError, TypeError, ValueError, IndexError):  # damaged: traced again, rewritten
+            return None
+        if out is not None:
+            self.hits += 1
+        return out
+
+    def put(self, key, t: StepTrace) -> None:
+        self._write(key, {"trace": encode(t)})
+
+    def get_value(self, key) -> dict | None:
+        """A JSON object kept with :meth:`put_value` (what a plan derives from a model besides its traces)."""
+        d = self._read(key)
+        value = d.get("value") if d is not None else None
+        if not isinstance(value, dict):
+            return None
+        self.hits += 1
+        return value
+
+    def put_value(self, key, value: dict) -> None:
+        self._write(key, {"value": value})
 
     def prune(self) -> None:
         """Remove the oldest files beyond ``MAX_FILES`` (and temporary files of killed writers)."""
@@ -132,9 +157,11 @@ def install() -> TraceStore | None:
     """Keep this process's traces on disk (unless ``VRAMFIT_TRACE_CACHE=off``)."""
     if os.environ.get("VRAMFIT_TRACE_CACHE", "").lower() in ("off", "0", "false", "no"):
         estimate.set_store(None)
+        shape.set_store(None)
         return None
     store = TraceStore()
     estimate.set_store(store)
+    shape.set_store(store)
     return store
 
 

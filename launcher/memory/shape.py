@@ -207,10 +207,38 @@ def _count(config, lora_r: int, lora_targets: tuple, trust_remote_code: bool) ->
                        tensors=ext("tensors"), adapter_tensors=ext("adapter_tensors"))
 
 
+# A store that keeps values between processes (``get_value(key)``, ``put_value(key, dict)``;
+# :mod:`launcher.tracestore`), set by the command line; None: this module does no I/O.
+_STORE = None
+
+
+def set_store(store) -> None:
+    """Keep :func:`remembered` values in ``store`` too (None: in this process only)."""
+    global _STORE
+    _STORE = store
+
+
+def remembered(key: tuple, make, to_json, from_json):
+    """``make()``, or what it returned for ``key`` in an earlier process (through the store, as JSON). Building a
+    model's meta copy costs a second and more with the import of its modeling code: a plan whose traces are all
+    kept needs nothing else of the model. A kept value that does not read back is made again."""
+    if _STORE is not None and (kept := _STORE.get_value(key)) is not None:
+        try:
+            return from_json(kept)
+        except (KeyError, TypeError, ValueError):
+            pass
+    value = make()
+    if _STORE is not None:
+        _STORE.put_value(key, to_json(value))
+    return value
+
+
 def count_params(config, lora_r: int = 0, lora_targets=(ALL_LINEAR,), trust_remote_code: bool = False) -> ParamCounts:
     """Parameter counts of ``config`` at full depth, with LoRA adapters of rank ``lora_r`` when > 0."""
     targets = (lora_targets,) if isinstance(lora_targets, str) else tuple(lora_targets)
     key = (config_key(config), int(lora_r), targets if lora_r else (), bool(trust_remote_code))
     if key not in _COUNT_CACHE:
-        _COUNT_CACHE[key] = _count(config, int(lora_r), targets, bool(trust_remote_code))
+        _COUNT_CACHE[key] = remembered(("param_counts", *key),
+                                       lambda: _count(config, int(lora_r), targets, bool(trust_remote_code)),
+                                       asdict, lambda d: ParamCounts(**d))
     return _COUNT_CACHE[key]
