@@ -56,7 +56,11 @@ def kept_kinds(files: list[str]) -> dict[str, int]:
     out: dict[str, int] = {}
     for f in files:
         key = json.load(gzip.open(f))["key"]
-        batch = int(re.search(r"batch_size=(\d+)", key).group(1))
+        found = re.search(r"batch_size=(\d+)", key)
+        if found is None:  # not a trace: a value the plan keeps with them (parameter counts, the loss check)
+            out["values"] = out.get("values", 0) + 1
+            continue
+        batch = int(found.group(1))
         kind = str(batch) if batch <= 3 else f"{batch} {'exact' if key.rstrip(')').endswith('True') else 'direct'}"
         out[kind] = out.get(kind, 0) + 1
     return out
