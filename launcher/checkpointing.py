@@ -38,12 +38,16 @@ def enable(model: nn.Module, every: int = 1, offload: bool = False, pin_memory: 
 
 
 def disable(model: nn.Module) -> None:
-    """No layer recomputes (undo :func:`enable`)."""
+    """No layer recomputes: undo :func:`enable` entirely, so the model steps as if it had never been checkpointed
+    (the planner reuses one meta model for every setting it traces). transformers' own disable leaves the flag
+    of the inner model and the hook that makes the embeddings' output require grad (which makes backward
+    carry a gradient down to the first layer's input: more ops and more memory than a plain step)."""
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    for layer in _layers(base):
-        layer.gradient_checkpointing = False
-    if hasattr(base, "gradient_checkpointing"):
-        base.gradient_checkpointing = False
+    for m in base.modules():
+        if hasattr(m, "gradient_checkpointing"):
+            m.gradient_checkpointing = False
+    if getattr(base, "_require_grads_hooks", None) or getattr(base, "_require_grads_hook", None) is not None:
+        base.disable_input_require_grads()
 
 
 def checkpointed_layers(model: nn.Module) -> list[bool]:

@@ -103,6 +103,25 @@ def test_checkpointing_keeps_layer_inputs_only():
     assert ckpt.peak < plain.peak
 
 
+@pytest.mark.parametrize("every", [1, 2])
+def test_plain_trace_after_checkpointed_one_is_plain(every):
+    """The planner traces one cached meta model at every setting: a step without checkpointing after a
+    checkpointed one is the step of a model never checkpointed (no leftover flag or input-grad hook)."""
+    from launcher.checkpointing import disable
+
+    cfg = tiny_configs()["llama"]
+    ids = torch.zeros(2, 48, dtype=torch.long, device="meta")
+    fresh = measure_step(build_meta_model(cfg, lora_r=4).train(), ids)  # LoRA: the embeddings are frozen
+    meta = build_meta_model(cfg, lora_r=4).train()
+    enable_checkpointing(meta, every)
+    measure_step(meta, ids)
+    disable(meta)
+    for p in meta.parameters():  # as the planner does before each trace
+        p.grad = None
+    again = measure_step(meta, ids)
+    assert again.ops == fresh.ops and again.segments == fresh.segments and again.saved == fresh.saved
+
+
 @pytest.mark.parametrize("arch,checkpointing", [("llama", False), ("gpt2", False), ("llama", True)])
 def test_autocast_emulation_matches_torch_autocast(arch, checkpointing):
     """On meta, autocast is emulated; with the CPU op lists it must match a real torch.autocast('cpu') run."""
