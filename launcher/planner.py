@@ -511,9 +511,10 @@ def _best_setting(p: Profile, run: RunShape, cfg: Config, asked, gpu_budget: int
     tried. A profile that cannot run is shown at its first setting.
 
     Memory falls with checkpointing and rises with the micro-batch, so per micro-batch (largest first) the
-    setting with the least recompute that fits is the only candidate worth pricing: all-layer checkpointing is
-    tried first (if even that does not fit, nothing does at this micro-batch), then off, then every k-th layer.
-    Smaller micro-batches are tried while their least-recompute setting still recomputes less; without machine
+    setting with the least recompute that fits is the only candidate worth pricing, found by planning few of
+    them (``lowest``: the most recompute, which if it does not fit means nothing does at this micro-batch, then
+    none, then halving between the two). Smaller micro-batches are tried while their least-recompute setting
+    still recomputes less; without machine
     speeds the least recompute wins, at the largest micro-batch that allows it (as before checkpointing was
     searched: checkpointing costs about a third of a step).
 
@@ -545,24 +546,41 @@ def _best_setting(p: Profile, run: RunShape, cfg: Config, asked, gpu_budget: int
         row.available = False
         row.why_not = blocked if row.why_not is None else f"{blocked}; {row.why_not}"
         return row, []
+    def lowest(b: int, upto: int) -> tuple[int | None, ProfilePlan]:
+        # The least recompute of options[:upto] that fits at micro-batch b, and its row (None, and the row of the
+        # most recompute, when none fits). Memory falls along the options: the most recompute first (if that
+        # does not fit, nothing does), then none, then halving in between (every 2nd layer before every 4th,
+        # whose traces are twice as deep, and every 4th only where every 2nd fits).
+        rows: dict[int, ProfilePlan] = {}
+
+        def fits(i: int) -> bool:
+            if i not in rows:
+                rows[i] = at(options[i], b)
+            return rows[i].fits
+
+        hi = upto - 1
+        if not fits(hi):
+            return None, rows[hi]
+        if hi == 0 or fits(0):
+            return 0, rows[0]
+        lo = 1
+        while lo < hi:  # options[hi] fits, options[lo - 1] does not
+            mid = (lo + hi) // 2
+            if fits(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return hi, rows[hi]
+
     first, fitting, least = None, [], len(options)
     for b in micros:
-        most = at(options[-1], b)  # the most recompute: if this does not fit, nothing does at this micro-batch
-        first = first or most
-        if not most.fits:
-            continue
-        found = most
-        for ck in options[:-1]:  # least recompute first
-            r = at(ck, b)
-            if r.fits:
-                found = r
-                break
-        rank = options.index(key(found))
-        if rank < least:
-            fitting.append(found)
+        if least == 0:
+            break  # no recompute at a larger micro-batch: smaller ones are not faster
+        rank, row = lowest(b, least)
+        first = first or row
+        if rank is not None:
+            fitting.append(row)
             least = rank
-        if rank == 0:
-            break  # no recompute at this micro-batch: smaller ones are not faster
     if not fitting:
         return exactly(first), []
     # Priced: the fastest. Not priced: the least recompute, at the largest micro-batch that allows it. The
