@@ -21,6 +21,7 @@ def enable(model: nn.Module, every: int = 1, offload: bool = False, pin_memory: 
     """Checkpoint every ``every``-th decoder layer of ``model`` (a transformers or peft model); ``offload``: the
     checkpointed layers' inputs go to CPU memory (:mod:`launcher.actoffload`)."""
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    _drop_input_grad_hooks(base)  # transformers registers one more at each enable and keeps only the last
     kw = {"use_reentrant": False}
     new = getattr(base, "activation_checkpointing_enable", None)  # transformers 5.x; the old name warns
     with warnings.catch_warnings():
@@ -46,6 +47,10 @@ def disable(model: nn.Module) -> None:
     for m in base.modules():
         if hasattr(m, "gradient_checkpointing"):
             m.gradient_checkpointing = False
+    _drop_input_grad_hooks(base)
+
+
+def _drop_input_grad_hooks(base: nn.Module) -> None:
     if getattr(base, "_require_grads_hooks", None) or getattr(base, "_require_grads_hook", None) is not None:
         base.disable_input_require_grads()
 
