@@ -29,7 +29,7 @@ from launcher.availability import Availability
 from launcher.config import AUTO, Config, ConfigError, packs_samples
 from launcher.hardware import Hardware, pin_memory_ok
 from launcher.loss import HeadNotPlain, head_problem
-from launcher.memory.estimate import ActivationEstimate, estimate_activations
+from launcher.memory.estimate import ActivationEstimate, compose_every, estimate_activations
 from launcher.memory.shape import count_params
 from launcher.memory.states import (
     ALLOCATOR_SLACK,
@@ -223,10 +223,15 @@ class PlanError(RuntimeError):
     """The model could not be measured (its forward does not run on the meta device)."""
 
 
-def _activations(run: RunShape, family: str, micro_batch: int, exact: bool = True) -> ActivationEstimate:
+def _activations(run: RunShape, family: str, micro_batch: int, exact: bool = True,
+                 compose: bool = False) -> ActivationEstimate:
+    """The activation estimate of ``run`` at ``micro_batch``; ``compose``: every k-th layer checkpointed composed
+    from the traces with none and with all (:func:`launcher.memory.estimate.compose_every`) where it applies."""
     try:
-        return estimate_activations(run.config, _trace_settings(run, family, micro_batch), run.trust_remote_code,
-                                    exact)
+        s = _trace_settings(run, family, micro_batch)
+        if compose and (est := compose_every(run.config, s, run.trust_remote_code)) is not None:
+            return est
+        return estimate_activations(run.config, s, run.trust_remote_code, exact)
     except HeadNotPlain as e:
         raise ConfigError([str(e)]) from None
     except Exception as e:
@@ -265,9 +270,21 @@ def _phase_total(parts: dict) -> int:
     return sum(parts.values())
 
 
+# The search's settings with every k-th layer checkpointed are composed from the traces with none and with every
+# layer where that holds for the model (compose_every, checked within 0.5% once per model); one whose memory lies
+# within this share of its activations of a budget is planned again from its own traces, so only clear verdicts
+# come from a composition.
+COMPOSE_MARGIN = 0.01
+
+
 def _plan_profile(p: Profile, run: RunShape, micro_batch: int, gpu_budget: int, cpu_budget: int,
                   skip_trace_over_budget: bool = True, machine: Machine | None = None, pinned: bool = False,
-                  max_steps: int = 0, exact: bool = True) -> ProfilePlan:
+                  max_steps: int = 0, exact: bool = True, compose: bool | None = None) -> ProfilePlan:
+    """One profile at one setting (``run``'s checkpointing, ``micro_batch``): its GPU, CPU and disk bytes against
+    the budgets, and with ``machine`` its step time. ``exact=False``: micro-batches above 3 extrapolated, and
+    (``compose``, by default ``not exact``) every k-th layer composed where the verdict is clear."""
+    if compose is None:
+        compose = not exact
     accumulation = max(1, run.global_batch // (micro_batch * run.world))
     st = model_states(p, run, accumulation)
     runtime = CPU_RUNTIME_BYTES[run.device]
@@ -288,11 +305,11 @@ def _plan_profile(p: Profile, run: RunShape, micro_batch: int, gpu_budget: int, 
             # The plain loss's logits are sized from micro-batch 2 (each row's logits are its own, so they grow
             # in proportion): where the run then chunks, the plain loss costs no traces at its own micro-batch.
             small = 2 if micro_batch > 3 else micro_batch
-            plain = _activations(run, _family(p), small, exact)
+            plain = _activations(run, _family(p), small, exact, compose)
             logits = _activation_parts(plain, with_grads=False).get("logits", 0) * micro_batch // small
             if logits > CHUNK_SHARE * (gpu_budget if on_gpu else cpu_budget):
                 run = dataclasses.replace(run, chunked_loss=True)
-        est = _activations(run, _family(p), micro_batch, exact)
+        est = _activations(run, _family(p), micro_batch, exact, compose)
         grads_from_trace = p.engine == "amp" and accumulation == 1
         for part, n in _activation_parts(est, with_grads=grads_from_trace).items():
             add_part(fb, part, n)
@@ -324,6 +341,11 @@ def _plan_profile(p: Profile, run: RunShape, micro_batch: int, gpu_budget: int, 
     disk_bytes = _phase_total(disk_parts)
     disk_free = int(run.nvme["free_bytes"]) if run.nvme else 0
     fits = (gpu_bytes <= gpu_budget or not on_gpu) and cpu_bytes <= cpu_budget and disk_bytes <= disk_free
+    if est is not None and est.composed:  # near a budget: planned from its own traces instead
+        used, budget = (gpu_bytes, gpu_budget) if on_gpu else (cpu_bytes, cpu_budget)
+        if abs(used - budget) <= COMPOSE_MARGIN * max(est.peak, est.peak_with_grads):
+            return _plan_profile(p, run, micro_batch, gpu_budget, cpu_budget, skip_trace_over_budget, machine,
+                                 pinned, max_steps, exact, compose=False)
     why = None
     if not fits:
         bits = []

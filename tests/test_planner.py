@@ -170,6 +170,40 @@ def test_depth_extrapolation_is_exact(checkpointing, autocast, every, layers):
     assert est.ops == full.ops
 
 
+@pytest.mark.parametrize("layers,every", [(6, 2), (7, 3), (7, 2)], ids=["top-plain", "top-checkpointed", "odd"])
+@pytest.mark.parametrize("lora,autocast", [(0, None), (4, torch.bfloat16)], ids=["full", "lora-autocast"])
+def test_every_kth_layer_composed_from_none_and_all(layers, every, lora, autocast):
+    """The search's every-k-th-layer settings come from the traces with no and with every layer checkpointed:
+    the op record exactly, the peaks within the tolerance the planner checks once per model."""
+    from transformers import LlamaConfig
+
+    from launcher.memory.estimate import COMPOSE_TOLERANCE, compose_every
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2)
+    for batch in (2, 5):
+        s = TraceSettings(batch_size=batch, seq_len=64, lora_r=lora, autocast_dtype=autocast, target="cpu",
+                          attention_kernel="flash", gradient_checkpointing=True, checkpoint_every=every)
+        made, traced = compose_every(cfg, s), estimate_activations(cfg, s, exact=False)
+        assert made is not None and made.composed
+        assert made.ops == traced.ops
+        for f in ("peak", "peak_with_grads"):
+            assert abs(getattr(made, f) - getattr(traced, f)) <= COMPOSE_TOLERANCE * getattr(traced, f), f
+
+
+def test_composition_refused_where_it_does_not_hold():
+    """GPT-2 with its top layer not checkpointed composes 6-8% high: the once-per-model check refuses it, so
+    those settings are traced."""
+    from transformers import GPT2Config
+
+    from launcher.memory.estimate import compose_every
+
+    cfg = GPT2Config(vocab_size=128, n_embd=64, n_layer=6, n_head=4, n_positions=256)
+    s = TraceSettings(batch_size=2, seq_len=64, lora_r=4, target="cpu", attention_kernel="flash",
+                      gradient_checkpointing=True, checkpoint_every=2)
+    assert compose_every(cfg, s) is None
+
+
 def test_op_record_counts_the_work():
     """The time model's input: forward + backward matmul FLOPs are 6 x parameters x tokens for the linear
     layers (plus the attention kernel's); recompute adds the checkpointed layers' forward once more."""

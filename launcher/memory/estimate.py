@@ -48,6 +48,7 @@ class ActivationEstimate:
     ops: dict = field(default_factory=dict)  # OpKey -> count at full depth (counts extrapolated, may be fractional)
     offloaded: int = 0  # activation offload: CPU bytes held at once (pinned copies of saved tensors)
     offload_copied: int = 0  # activation offload: bytes copied to the CPU per micro-batch (and back again)
+    composed: bool = False  # from the traces with no and with every layer checkpointed (compose_every)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -245,6 +246,108 @@ def _batch_extrapolate(one: StepTrace, two: StepTrace, b: int, bases: tuple[int,
                      segments=segments, param_grads=lin(one.param_grads, two.param_grads),
                      seconds=one.seconds + two.seconds, ops=dict(Counter(ops)), op_list=ops,
                      offloaded=lin(one.offloaded, two.offloaded), offload_copied=lin(one.offload_copied, two.offload_copied))
+
+
+def compose_every(config, settings: TraceSettings, trust_remote_code: bool = False) -> ActivationEstimate | None:
+    """Every k-th layer checkpointed (``settings.checkpoint_every`` > 1, ``exact=False``), composed from the traces
+    with no layer and with every layer checkpointed at the same micro-batch (depths 2 and 3 of each, which the
+    planner's search has made before it asks for this) instead of traces of its own (depths ``lo`` and
+    ``lo + k``: 4 and 8 for every 4th layer of 32). None where it does not apply (activation offload, a model of
+    fewer than 3 layers).
+
+    Layer ``i`` is checkpointed when ``i % k == 0``: the bottom layer always, the top one when ``(L - 1) % k == 0``;
+    ``c = ceil(L / k)`` of the ``L`` layers. The traces give what one more middle layer adds with and without
+    checkpointing (depth 3 minus depth 2), so each number of the step, segment by segment, is that of every layer
+    checkpointed plus ``L - c`` times the difference between a plain and a checkpointed layer: exact where the
+    layers are alike (the bottom layer is checkpointed in both, with what transformers' input-grad hook adds to
+    it). Where the top layer is not checkpointed its backward segment recomputes nothing, and is taken from the
+    plain step less ``c`` times that difference instead. The planner traces exactly a setting whose memory lies
+    near its budget, and the setting it keeps; each model's compositions are checked once against a trace
+    (:func:`_composes`; tests compare more)."""
+    k = settings.checkpoint_every
+    full = num_layers(config)
+    if not settings.gradient_checkpointing or k <= 1 or settings.offload_activations or full < 3:
+        return None
+    if not _composes(config, settings, trust_remote_code):
+        return None
+    return _compose(config, settings, trust_remote_code)
+
+
+# Whether compositions hold for a model, per (config, dtypes, kernel, LoRA): checked once against a trace
+_COMPOSES: dict = {}
+COMPOSE_TOLERANCE = 0.005  # of the peak; the op record must match exactly
+
+
+def _composes(config, s: TraceSettings, trust_remote_code: bool) -> bool:
+    """Whether :func:`compose_every` may answer for this model: the first time, every 2nd layer at micro-batch 2
+    (plain loss) is both composed and traced, and they must agree (ops exactly, peaks within
+    ``COMPOSE_TOLERANCE``). Llama-like decoders do (0.2% at most on llama-7b); GPT-2 with its top layer not
+    checkpointed does not (8% high), and is then traced like any other setting."""
+    probe = dataclasses.replace(s, batch_size=2, gradient_checkpointing=True, checkpoint_every=2,
+                                chunked_loss=False, offload_activations=False)
+    key = (config_key(config), dataclasses.replace(probe, seq_len=0), trust_remote_code)
+    if key not in _COMPOSES:
+        made, traced = _compose(config, probe, trust_remote_code), estimate_activations(
+            config, probe, trust_remote_code, exact=False)
+        _COMPOSES[key] = made is not None and made.ops == traced.ops and all(
+            abs(getattr(made, f) - getattr(traced, f)) <= COMPOSE_TOLERANCE * getattr(traced, f)
+            for f in ("peak", "peak_with_grads"))
+    return _COMPOSES[key]
+
+
+def _compose(config, settings: TraceSettings, trust_remote_code: bool) -> ActivationEstimate | None:
+    k, full = settings.checkpoint_every, num_layers(config)
+    plain = dataclasses.replace(settings, gradient_checkpointing=False, checkpoint_every=1)
+    every = dataclasses.replace(settings, checkpoint_every=1)
+    a2, a3, o2, o3 = (trace_at(config, d, x, trust_remote_code, exact=False)
+                      for x in (every, plain) for d in (2, 3))
+    c = -(-full // k)
+    plain_layers = full - c
+
+    def lin(a: dict, b: dict, x: float) -> dict:  # a + x * (b - a), key by key
+        return {key: v for key in set(a) | set(b) if (v := round(a.get(key, 0) + x * (b.get(key, 0) - a.get(key, 0))))}
+
+    def seg(name: str, field: str) -> dict:
+        at_all = lin(a2.segments[name][field], a3.segments[name][field], full - 2)
+        inc = {key: o3.segments[name][field].get(key, 0) - o2.segments[name][field].get(key, 0)
+               - a3.segments[name][field].get(key, 0) + a2.segments[name][field].get(key, 0)
+               for key in set(a2.segments[name][field]) | set(a3.segments[name][field])
+               | set(o2.segments[name][field]) | set(o3.segments[name][field])}
+        if name == "top_bwd" and (full - 1) % k:  # the top layer is plain: the plain step, c layers checkpointed
+            at_plain = lin(o2.segments[name][field], o3.segments[name][field], full - 2)
+            return {key: v for key in set(at_plain) | set(inc) if (v := at_plain.get(key, 0) - c * inc.get(key, 0))}
+        return {key: v for key in set(at_all) | set(inc) if (v := at_all.get(key, 0) + plain_layers * inc.get(key, 0))}
+
+    names = sorted(set(a2.segments) & set(a3.segments) & set(o2.segments) & set(o3.segments))
+    if not names:
+        return None
+    parts = {name: seg(name, "parts") for name in names}
+    parts_g = {name: seg(name, "parts_with_grads") for name in names}
+    top = max(names, key=lambda n: sum(parts[n].values()))
+    top_g = max(names, key=lambda n: sum(parts_g[n].values()))
+
+    def step(a_lo, a_hi, o_lo, o_hi) -> int:  # one number of the step, composed
+        return round(a_lo + (full - 2) * (a_hi - a_lo) + plain_layers * ((o_hi - o_lo) - (a_hi - a_lo)))
+
+    sa2, sa3, so2, so3 = (_group_saved(t.saved) for t in (a2, a3, o2, o3))
+    saved = {key: v for key in set(sa2) | set(so2) if (v := step(sa2.get(key, 0), sa3.get(key, 0),
+                                                                 so2.get(key, 0), so3.get(key, 0)))}
+    ops = {}
+    for key in set(a2.ops) | set(a3.ops) | set(o2.ops) | set(o3.ops):
+        n = a2.ops.get(key, 0) + (full - 2) * (a3.ops.get(key, 0) - a2.ops.get(key, 0)) + plain_layers * (
+            (o3.ops.get(key, 0) - o2.ops.get(key, 0)) - (a3.ops.get(key, 0) - a2.ops.get(key, 0)))
+        if n:
+            ops[key] = n
+    per_plain, per_ckpt = so3["layers"] - so2["layers"], sa3["layers"] - sa2["layers"]
+    return ActivationEstimate(
+        settings=settings, num_layers=full, saved=saved,
+        saved_per_layer=(plain_layers * per_plain + c * per_ckpt) // full,
+        autocast_cache=step(a2.autocast_cache, a3.autocast_cache, o2.autocast_cache, o3.autocast_cache),
+        peak=sum(parts[top].values()), peak_parts=parts[top], peak_segment=top,
+        peak_with_grads=sum(parts_g[top_g].values()), peak_with_grads_parts=parts_g[top_g],
+        peak_with_grads_segment=top_g,
+        param_grads=step(a2.param_grads, a3.param_grads, o2.param_grads, o3.param_grads), trace_seconds=0.0,
+        ops=ops, composed=True)
 
 
 _ESTIMATES: dict = {}
