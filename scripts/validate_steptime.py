@@ -129,38 +129,56 @@ def predicted(ov: list[str], profile: str, machine, hw) -> float | None:
 
 
 def run_grid(points, out: str, steps: int, warmup: int, machine, hw, *, device: str = "cpu", sets=(),
-             timeout: float = 1800, save=None) -> list[dict]:
-    """Each point: predicted, then measured in its own process. ``save(rows)`` after every point."""
-    rows = []
-    for point in points:
-        name, model, seq, gbs, micro, ckpt, profile, budget = point
-        ov = point_overrides(point, device, list(sets))
-        row = {"name": name, "model": model, "seq_len": seq, "global_batch": gbs, "micro_batch": micro,
-               "checkpointing": ckpt, "profile": profile, "gpu_budget": budget, "overrides": ov}
-        why = cannot_run(ov, profile, hw)
-        if why:
-            rows.append({**row, "status": "skipped", "error": why, "predicted_s": None, "measured_s": None,
-                         "error_pct": None})
-            print(f"{name}: skipped, {profile} cannot run here: {why}", flush=True)
-        else:
-            try:  # a planner failure costs this point's prediction, not the points after it (a time-boxed GPU host)
-                pred, pred_error = predicted(ov, profile, machine, hw), None
-            except Exception as e:
-                pred, pred_error = None, f"{type(e).__name__}: {e}"
-                print(f"{name}: no prediction, {pred_error}", flush=True)
-            r = bench.run_one(None, ov, profile, name, out, steps, warmup, timeout, hw)
-            meas = r.get("step_s")
+             timeout: float = 1800, save=None, passes: int = 1) -> list[dict]:
+    """Each point: predicted, then measured in its own process, in ``passes`` passes over the whole grid; a point
+    keeps its fastest measurement (each pass's is in ``measured_passes``), as the calibration keeps the fastest of
+    its rounds: a machine that slows for a stretch slows one pass of a point, not its result. ``save(rows)``
+    after every run."""
+    rows: list[dict] = []
+    for n in range(passes):
+        for i, point in enumerate(points):
+            name, model, seq, gbs, micro, ckpt, profile, budget = point
+            if n == 0:
+                ov = point_overrides(point, device, list(sets))
+                row = {"name": name, "model": model, "seq_len": seq, "global_batch": gbs, "micro_batch": micro,
+                       "checkpointing": ckpt, "profile": profile, "gpu_budget": budget, "overrides": ov}
+                why = cannot_run(ov, profile, hw)
+                if why:
+                    rows.append({**row, "status": "skipped", "error": why, "predicted_s": None, "measured_s": None,
+                                 "error_pct": None})
+                    print(f"{name}: skipped, {profile} cannot run here: {why}", flush=True)
+                    if save is not None:
+                        save(rows)
+                    continue
+                try:  # a planner failure costs this point's prediction, not the points after it (a time-boxed GPU host)
+                    pred, pred_error = predicted(ov, profile, machine, hw), None
+                except Exception as e:
+                    pred, pred_error = None, f"{type(e).__name__}: {e}"
+                    print(f"{name}: no prediction, {pred_error}", flush=True)
+                row.update(predicted_s=pred, prediction_error=pred_error, measured_passes=[])
+                rows.append(row)
+            row = rows[i]
+            if n and row.get("status") == "skipped":
+                continue
+            r = bench.run_one(None, row["overrides"], profile, name if n == 0 else f"{name}-pass{n + 1}", out, steps,
+                              warmup, timeout, hw)
+            row["measured_passes"].append(r.get("step_s"))
+            done = [m for m in row["measured_passes"] if m]
+            meas, pred = (min(done) if done else None), row["predicted_s"]
             err = (pred - meas) / meas * 100 if pred and meas else None
-            rows.append({**row, "status": r.get("status"), "error": r.get("error"), "predicted_s": pred,
-                         "prediction_error": pred_error, "measured_s": meas, "error_pct": err,
-                         "wall_s": r.get("wall_s"), "load_average": os.getloadavg()[0]})
-            print(f"{name}: predicted {pred}, measured {meas}, error {err}", flush=True)
-        if save is not None:
-            save(rows)
+            row.update(status="ok" if done else r.get("status"), error=None if done else r.get("error"),
+                       measured_s=meas, error_pct=err, wall_s=round(row.get("wall_s", 0) + (r.get("wall_s") or 0), 1),
+                       load_average=os.getloadavg()[0])
+            print(f"{name} (pass {n + 1} of {passes}): predicted {pred}, measured {r.get('step_s')}, kept {meas}, "
+                  f"error {err}", flush=True)
+            if save is not None:
+                save(rows)
     return rows
 
 
-def run_choices(out: str, steps: int, warmup: int, machine, hw, *, sets=(), timeout: float = 1800) -> list[dict]:
+def run_choices(out: str, steps: int, warmup: int, machine, hw, *, sets=(), timeout: float = 1800,
+                passes: int = 1) -> list[dict]:
+    """Each workload's candidates measured in turns, ``passes`` times; each keeps its fastest (as the grid)."""
     res = []
     for label, model, seq, gbs, profiles in CHOICES:
         precision = PROFILES[profiles[0]].precision  # the workload's precision: the plan offers only its profiles
@@ -168,17 +186,20 @@ def run_choices(out: str, steps: int, warmup: int, machine, hw, *, sets=(), time
                                  "train.micro_batch_size=auto", "device=cpu", f"precision={precision}", *sets])
         plan = planner.plan(cfg, hw, profiles, machine=machine)
         cands = plan.candidates
-        measured = []
-        for i, c in enumerate(cands):
-            ck = "off" if not c["checkpointing"] else ("all" if c["checkpoint_every"] == 1 else "every2")
-            if ck == "every2" and c["checkpoint_every"] != 2:
-                ck = "all"
-            ov = overrides(model, seq, gbs, c["micro_batch"], ck)
-            if c["checkpointing"] and c["checkpoint_every"] not in (1, 2):
-                ov = [*ov[:-2], "model.gradient_checkpointing=true", f"model.checkpoint_every={c['checkpoint_every']}"]
-            r = bench.run_one(None, [*ov, *sets], c["profile"], f"choice-{len(res)}-{i}", out, steps, warmup, timeout,
-                              hw)
-            measured.append({**c, "measured_s": r.get("step_s"), "status": r.get("status")})
+        measured = [{**c, "measured_s": None, "status": None, "measured_passes": []} for c in cands]
+        for n in range(passes):
+            for i, (c, m) in enumerate(zip(cands, measured)):
+                ck = "off" if not c["checkpointing"] else ("all" if c["checkpoint_every"] == 1 else "every2")
+                if ck == "every2" and c["checkpoint_every"] != 2:
+                    ck = "all"
+                ov = overrides(model, seq, gbs, c["micro_batch"], ck)
+                if c["checkpointing"] and c["checkpoint_every"] not in (1, 2):
+                    ov = [*ov[:-2], "model.gradient_checkpointing=true", f"model.checkpoint_every={c['checkpoint_every']}"]
+                r = bench.run_one(None, [*ov, *sets], c["profile"], f"choice-{len(res)}-{i}" + (f"-pass{n + 1}" if n else ""),
+                                  out, steps, warmup, timeout, hw)
+                m["measured_passes"].append(r.get("step_s"))
+                done = [x for x in m["measured_passes"] if x]
+                m.update(measured_s=min(done) if done else None, status="ok" if done else r.get("status"))
         ok = [m for m in measured if m["measured_s"]]
         fastest = min(ok, key=lambda m: m["measured_s"]) if ok else None
         pick = measured[0] if measured else None
@@ -240,7 +261,9 @@ def markdown(doc: dict) -> str:
     budgets = any(r.get("gpu_budget") is not None for r in doc["grid"])
     lines = [f"# Step time: predicted against measured ({doc['date']})", "",
              f"Machine: {doc['machine']} ({doc['calibration_source']}); {doc['steps']} timed steps after "
-             f"{doc['warmup']} warm-up, each run in its own process.", "",
+             f"{doc['warmup']} warm-up, each run in its own process"
+             + (f"; each point the fastest of {doc['passes']} passes over the grid (every pass: `measured_passes` in "
+                "the JSON)." if doc.get("passes", 1) > 1 else "."), "",
              "| run | profile | micro-batch | checkpointing |" + (" GPU budget GiB |" if budgets else "")
              + " predicted s | measured s | error |",
              "| --- | --- | ---: | --- |" + (" ---: |" if budgets else "") + " ---: | ---: | ---: |"]
@@ -295,12 +318,17 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=1800,
                     help="seconds per training run before it is stopped and recorded as timed out (default 1800, "
                          "for a slow CPU; scripts/gpu_bench.sh gives a GPU point 120)")
+    ap.add_argument("--passes", type=int, default=1,
+                    help="measure every point (and choice candidate) this many times, in passes over the whole grid, "
+                         "and keep each one's fastest (default 1; 2 on a CPU whose speed switches over seconds)")
     ap.add_argument("--list", action="store_true", help="print the grid points and their overrides, run nothing")
     ap.add_argument("--recalibrate", action="store_true",
                     help="measure this machine now rather than use the cached calibration (a shared CPU's speed "
                          "drifts over hours: its bf16 matmuls ran at 1.16 and at 0.5 TFLOP/s on one 2-core Xeon "
                          "the same day)")
     a = ap.parse_args()
+    if a.passes < 1:
+        ap.error(f"--passes: got {a.passes}; rule: at least one measurement per point; fix: --passes 2")
     bad = [s for s in a.sets if "=" not in s]
     if bad:
         ap.error(f"--set: got {bad}; rule: KEY=VALUE, as on vramfit's command line; fix: e.g. --set memory.gpu_budget=14.75")
@@ -327,7 +355,7 @@ def main() -> int:
         return 2
     os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
     doc = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "grid_name": grid_name, "device": device, "sets": a.sets,
-           "steps": a.steps, "warmup": a.warmup, "timeout_s": a.timeout, "finished": False}
+           "steps": a.steps, "warmup": a.warmup, "passes": a.passes, "timeout_s": a.timeout, "finished": False}
     if a.gpu and no_cuda:
         doc.update(skipped=no_cuda, finished=True)
         write_results(a.out, doc)
@@ -351,9 +379,9 @@ def main() -> int:
         write_results(a.out, doc)
 
     grid = run_grid(points, a.out, a.steps, a.warmup, machine, hw, device=device, sets=a.sets, timeout=a.timeout,
-                    save=save)
+                    save=save, passes=a.passes)
     choices = ([] if a.gpu or a.quick or a.no_choices else
-               run_choices(a.out, a.steps, a.warmup, machine, hw, sets=a.sets, timeout=a.timeout))
+               run_choices(a.out, a.steps, a.warmup, machine, hw, sets=a.sets, timeout=a.timeout, passes=a.passes))
     doc["finished"] = True
     save(grid, choices)
     print(markdown(doc))

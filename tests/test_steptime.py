@@ -5,6 +5,7 @@ The machines here are made up (round numbers), so the tests check the model's ar
 this CPU's speed; scripts/validate_steptime.py measures the predictions against real steps."""
 
 import dataclasses
+import os
 
 import pytest
 from test_planner import fake_hw
@@ -188,3 +189,32 @@ def test_costs_measured_in_steps_price_the_ops_of_their_precision():
     assert steptime.op_seconds({key: 2}, rates, host_bound=False, precision="fp32")[0] == pytest.approx(2 * (1e-5 + 1e-6))
     t, fixed = steptime.op_seconds({key: 2}, rates, host_bound=False, precision="bf16")
     assert t == pytest.approx(2 * (2e-5 + 1e-5) + 1e-3) and fixed == pytest.approx(2 * 2e-5 + 1e-3)
+
+
+def test_validation_grid_keeps_each_points_fastest_pass(monkeypatch, tmp_path):
+    """scripts/validate_steptime.py --passes 2: every point measured once per pass over the grid, in grid order,
+    and its error taken from its fastest measurement (a slowed stretch of the machine costs one pass)."""
+    import importlib.util
+
+    from helpers import ROOT
+
+    spec = importlib.util.spec_from_file_location("validate_steptime", os.path.join(ROOT, "scripts", "validate_steptime.py"))
+    vs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vs)
+    times = {"a": [0.5, 0.2], "b": [0.1, 0.3]}
+    order = []
+
+    def run_one(_cfg, _ov, _profile, name, *_a):
+        base = name.split("-pass")[0]
+        order.append(name)
+        return {"status": "ok", "step_s": times[base][len([n for n in order if n.startswith(base)]) - 1], "wall_s": 1.0}
+
+    monkeypatch.setattr(vs.bench, "run_one", run_one)
+    monkeypatch.setattr(vs, "predicted", lambda *a: 0.2)
+    monkeypatch.setattr(vs, "cannot_run", lambda *a: None)
+    points = [(n, "tiny", 128, 8, 2, "off", "amp-fp32", None) for n in ("a", "b")]
+    rows = vs.run_grid(points, str(tmp_path), 2, 1, None, None, passes=2)
+    assert order == ["a", "b", "a-pass2", "b-pass2"]
+    assert [r["measured_passes"] for r in rows] == [[0.5, 0.2], [0.1, 0.3]]
+    assert [r["measured_s"] for r in rows] == [0.2, 0.1]
+    assert [round(r["error_pct"]) for r in rows] == [0, 100]
