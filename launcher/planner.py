@@ -536,9 +536,8 @@ def _best_setting(p: Profile, run: RunShape, cfg: Config, asked, gpu_budget: int
     setting with the least recompute that fits is the only candidate worth pricing, found by planning few of
     them (``lowest``: the most recompute, which if it does not fit means nothing does at this micro-batch, then
     none, then halving between the two). Smaller micro-batches are tried while their least-recompute setting
-    still recomputes less; without machine
-    speeds the least recompute wins, at the largest micro-batch that allows it (as before checkpointing was
-    searched: checkpointing costs about a third of a step).
+    still recomputes less; without machine speeds the least recompute wins, at the largest micro-batch that
+    allows it (as before checkpointing was searched: checkpointing costs about a third of a step).
 
     Activation offload (``memory.offload_activations``): ``on`` offloads in every setting; ``auto`` adds one
     setting after the one with the most recompute, the same with what it saves offloaded (the least GPU
@@ -568,6 +567,7 @@ def _best_setting(p: Profile, run: RunShape, cfg: Config, asked, gpu_budget: int
         row.available = False
         row.why_not = blocked if row.why_not is None else f"{blocked}; {row.why_not}"
         return row, []
+
     def lowest(b: int, upto: int) -> tuple[int | None, ProfilePlan]:
         # The least recompute of options[:upto] that fits at micro-batch b, and its row (None, and the row of the
         # most recompute, when none fits). Memory falls along the options: the most recompute first (if that
