@@ -128,6 +128,13 @@ def predicted(ov: list[str], profile: str, machine, hw) -> float | None:
     return row.step_s if row is not None and row.fits else None
 
 
+def keep_fastest(entry: dict, r: dict) -> None:
+    """One more measurement ``r`` (bench.run_one's result) of a point or candidate: the fastest of them is kept."""
+    entry["measured_passes"].append(r.get("step_s"))
+    done = [x for x in entry["measured_passes"] if x]
+    entry.update(measured_s=min(done) if done else None, status="ok" if done else r.get("status"))
+
+
 def run_grid(points, out: str, steps: int, warmup: int, machine, hw, *, device: str = "cpu", sets=(),
              timeout: float = 1800, save=None, passes: int = 1) -> list[dict]:
     """Each point: predicted, then measured in its own process, in ``passes`` passes over the whole grid; a point
@@ -162,13 +169,11 @@ def run_grid(points, out: str, steps: int, warmup: int, machine, hw, *, device: 
                 continue
             r = bench.run_one(None, row["overrides"], profile, name if n == 0 else f"{name}-pass{n + 1}", out, steps,
                               warmup, timeout, hw)
-            row["measured_passes"].append(r.get("step_s"))
-            done = [m for m in row["measured_passes"] if m]
-            meas, pred = (min(done) if done else None), row["predicted_s"]
+            keep_fastest(row, r)
+            meas, pred = row["measured_s"], row["predicted_s"]
             err = (pred - meas) / meas * 100 if pred and meas else None
-            row.update(status="ok" if done else r.get("status"), error=None if done else r.get("error"),
-                       measured_s=meas, error_pct=err, wall_s=round(row.get("wall_s", 0) + (r.get("wall_s") or 0), 1),
-                       load_average=os.getloadavg()[0])
+            row.update(error=None if meas else r.get("error"), error_pct=err,
+                       wall_s=round(row.get("wall_s", 0) + (r.get("wall_s") or 0), 1), load_average=os.getloadavg()[0])
             print(f"{name} (pass {n + 1} of {passes}): predicted {pred}, measured {r.get('step_s')}, kept {meas}, "
                   f"error {err}", flush=True)
             if save is not None:
@@ -197,9 +202,7 @@ def run_choices(out: str, steps: int, warmup: int, machine, hw, *, sets=(), time
                     ov = [*ov[:-2], "model.gradient_checkpointing=true", f"model.checkpoint_every={c['checkpoint_every']}"]
                 r = bench.run_one(None, [*ov, *sets], c["profile"], f"choice-{len(res)}-{i}" + (f"-pass{n + 1}" if n else ""),
                                   out, steps, warmup, timeout, hw)
-                m["measured_passes"].append(r.get("step_s"))
-                done = [x for x in m["measured_passes"] if x]
-                m.update(measured_s=min(done) if done else None, status="ok" if done else r.get("status"))
+                keep_fastest(m, r)
         ok = [m for m in measured if m["measured_s"]]
         fastest = min(ok, key=lambda m: m["measured_s"]) if ok else None
         pick = measured[0] if measured else None

@@ -304,19 +304,19 @@ def _compose(config, settings: TraceSettings, trust_remote_code: bool) -> Activa
     c = -(-full // k)
     plain_layers = full - c
 
-    def lin(a: dict, b: dict, x: float) -> dict:  # a + x * (b - a), key by key
-        return {key: v for key in set(a) | set(b) if (v := round(a.get(key, 0) + x * (b.get(key, 0) - a.get(key, 0))))}
+    def one(a_lo, a_hi, o_lo, o_hi) -> int:  # one number: every layer checkpointed, L - c of them made plain
+        return round(a_lo + (full - 2) * (a_hi - a_lo) + plain_layers * ((o_hi - o_lo) - (a_hi - a_lo)))
 
-    def seg(name: str, field: str) -> dict:
-        at_all = lin(a2.segments[name][field], a3.segments[name][field], full - 2)
-        inc = {key: o3.segments[name][field].get(key, 0) - o2.segments[name][field].get(key, 0)
-               - a3.segments[name][field].get(key, 0) + a2.segments[name][field].get(key, 0)
-               for key in set(a2.segments[name][field]) | set(a3.segments[name][field])
-               | set(o2.segments[name][field]) | set(o3.segments[name][field])}
-        if name == "top_bwd" and (full - 1) % k:  # the top layer is plain: the plain step, c layers checkpointed
-            at_plain = lin(o2.segments[name][field], o3.segments[name][field], full - 2)
-            return {key: v for key in set(at_plain) | set(inc) if (v := at_plain.get(key, 0) - c * inc.get(key, 0))}
-        return {key: v for key in set(at_all) | set(inc) if (v := at_all.get(key, 0) + plain_layers * inc.get(key, 0))}
+    def top_plain(a_lo, a_hi, o_lo, o_hi) -> int:  # the plain step, c of its layers checkpointed
+        return round(o_lo + (full - 2) * (o_hi - o_lo) - c * ((o_hi - o_lo) - (a_hi - a_lo)))
+
+    def each(a_lo: dict, a_hi: dict, o_lo: dict, o_hi: dict, f=one) -> dict:  # key by key
+        return {key: v for key in set(a_lo) | set(a_hi) | set(o_lo) | set(o_hi)
+                if (v := f(a_lo.get(key, 0), a_hi.get(key, 0), o_lo.get(key, 0), o_hi.get(key, 0)))}
+
+    def seg(name: str, field: str) -> dict:  # where the top layer is plain, its backward recomputes nothing
+        plain_top = name == "top_bwd" and (full - 1) % k
+        return each(*(t.segments[name][field] for t in (a2, a3, o2, o3)), f=top_plain if plain_top else one)
 
     names = sorted(set(a2.segments) & set(a3.segments) & set(o2.segments) & set(o3.segments))
     if not names:
@@ -325,29 +325,17 @@ def _compose(config, settings: TraceSettings, trust_remote_code: bool) -> Activa
     parts_g = {name: seg(name, "parts_with_grads") for name in names}
     top = max(names, key=lambda n: sum(parts[n].values()))
     top_g = max(names, key=lambda n: sum(parts_g[n].values()))
-
-    def step(a_lo, a_hi, o_lo, o_hi) -> int:  # one number of the step, composed
-        return round(a_lo + (full - 2) * (a_hi - a_lo) + plain_layers * ((o_hi - o_lo) - (a_hi - a_lo)))
-
     sa2, sa3, so2, so3 = (_group_saved(t.saved) for t in (a2, a3, o2, o3))
-    saved = {key: v for key in set(sa2) | set(so2) if (v := step(sa2.get(key, 0), sa3.get(key, 0),
-                                                                 so2.get(key, 0), so3.get(key, 0)))}
-    ops = {}
-    for key in set(a2.ops) | set(a3.ops) | set(o2.ops) | set(o3.ops):
-        n = a2.ops.get(key, 0) + (full - 2) * (a3.ops.get(key, 0) - a2.ops.get(key, 0)) + plain_layers * (
-            (o3.ops.get(key, 0) - o2.ops.get(key, 0)) - (a3.ops.get(key, 0) - a2.ops.get(key, 0)))
-        if n:
-            ops[key] = n
     per_plain, per_ckpt = so3["layers"] - so2["layers"], sa3["layers"] - sa2["layers"]
     return ActivationEstimate(
-        settings=settings, num_layers=full, saved=saved,
+        settings=settings, num_layers=full, saved=each(sa2, sa3, so2, so3),
         saved_per_layer=(plain_layers * per_plain + c * per_ckpt) // full,
-        autocast_cache=step(a2.autocast_cache, a3.autocast_cache, o2.autocast_cache, o3.autocast_cache),
+        autocast_cache=one(a2.autocast_cache, a3.autocast_cache, o2.autocast_cache, o3.autocast_cache),
         peak=sum(parts[top].values()), peak_parts=parts[top], peak_segment=top,
         peak_with_grads=sum(parts_g[top_g].values()), peak_with_grads_parts=parts_g[top_g],
         peak_with_grads_segment=top_g,
-        param_grads=step(a2.param_grads, a3.param_grads, o2.param_grads, o3.param_grads), trace_seconds=0.0,
-        ops=ops, composed=True)
+        param_grads=one(a2.param_grads, a3.param_grads, o2.param_grads, o3.param_grads), trace_seconds=0.0,
+        ops=each(a2.ops, a3.ops, o2.ops, o3.ops), composed=True)
 
 
 _ESTIMATES: dict = {}
