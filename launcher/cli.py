@@ -312,13 +312,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _planning_process() -> None:
+    """For a process started to plan (``vramfit plan``), which loads no weights: a plan prices 4-bit and 8-bit
+    weights by arithmetic and traces LoRA on meta tensors, so it never uses bitsandbytes. peft imports bitsandbytes
+    as it is itself imported (``peft.helpers``; about a second on a small CPU, with the ``torch._inductor`` that
+    pulls in), so this process hides it: peft then runs as where bitsandbytes is not installed. Only where
+    ``main`` starts the process (no ``argv`` given): code that calls ``main`` may go on to train in the same
+    process."""
+    if "peft" not in sys.modules and "bitsandbytes" not in sys.modules:
+        from launcher.hardware import hide_module
+
+        hide_module("bitsandbytes")
+
+
 def main(argv: list[str] | None = None) -> int:
     import warnings
 
     # transformers' deprecation notices about its own internals say nothing a user can act on
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\.")
+    argv_given = argv
     argv = strip_local_rank(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
+    if argv_given is None and args.fn is cmd_plan:
+        _planning_process()
     try:
         log.setup(rank=dist.current().rank)
         from launcher import tracestore  # late: it imports torch, which --help and bad arguments need not wait for

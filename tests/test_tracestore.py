@@ -1,5 +1,6 @@
 """The planner's traces kept on disk (launcher/tracestore.py): read back equal, never trusted when damaged or
-made by other code, and a second `vramfit plan` of the same model traces nothing."""
+made by other code, a second `vramfit plan` of the same model traces nothing, and a plan process leaves out
+what it does not use."""
 
 from __future__ import annotations
 
@@ -145,3 +146,28 @@ def test_a_kept_plan_builds_no_model(tmp_path, monkeypatch):
         assert shape.count_params(CFG, 0) != counts  # another key, another value
     finally:
         new_process(None)
+
+
+def test_a_plan_process_does_not_import_bitsandbytes(tmp_path):
+    """``vramfit plan`` started as a process hides bitsandbytes from peft (a plan never uses it, and peft imports
+    it eagerly); the QLoRA plan is the one a process with bitsandbytes imported makes. ``main`` called with
+    arguments (code that may go on to train) leaves it alone."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("bitsandbytes")  # the quant extra, which scripts/setup.sh installs
+    args = ["plan", "model.name=tiny", "device=cpu", "data.seq_len=64", "lora.r=4", "model.quantize=4bit", "--json"]
+    code = ("import sys\nfrom launcher.cli import main\n{call}\n"
+            "print('BNB', sys.modules.get('bitsandbytes') is not None)")
+    out = {}
+    for name, call in (("process", f"sys.argv = ['vramfit', *{args!r}]; main()"), ("called", f"main({args!r})")):
+        env = {**os.environ, "VRAMFIT_CACHE": str(tmp_path / name), "PYTHONPATH": os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__)))}
+        p = subprocess.run([sys.executable, "-c", code.format(call=call)], capture_output=True, text=True, env=env,
+                           timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+        *plan, flag = p.stdout.strip().splitlines()
+        out[name] = (json.loads("\n".join(plan)), flag)
+    assert out["process"][1] == "BNB False" and out["called"][1] == "BNB True"
+    a, b = out["process"][0], out["called"][0]
+    assert a["chosen"] == b["chosen"] and a["profiles"] == b["profiles"]
