@@ -386,30 +386,6 @@ def _time_guarded(fn, s: Sizes) -> tuple[float, float]:
     return _time(fn, s.min_time_s)
 
 
-PROBE_N = 512  # the probe's matmul: n x n x n, one of the calibration's sizes (a few ms on a CPU core)
-PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-
-def speed_now(machine: Machine, dtypes: tuple[str, ...] = ("float32", "bfloat16"), seconds: float = 0.3) -> dict:
-    """How fast this machine multiplies now, against its calibration: per dtype, the fastest ``PROBE_N``-sized
-    matmul over ``seconds`` (at the training's threads) as a FLOP rate, over the calibrated rate at those FLOPs.
-    1.0: as calibrated; 0.7: 30% slower now. A shared CPU switches speed over minutes (a 2-core Xeon VM's fp32
-    matmuls ran at 225 and at 326 GFLOP/s two hours apart), and a step measured at one speed but priced at the
-    other is off by as much; ``scripts/validate_steptime.py`` records this beside every measurement. Dtypes the
-    calibration has no curve for are left out."""
-    device = torch.device(machine.compute.device)
-    flops = 2.0 * PROBE_N ** 3
-    out = {}
-    for name in dtypes:
-        if name not in machine.compute.matmul:
-            continue
-        dt = getattr(torch, name)
-        a, b = torch.randn(PROBE_N, PROBE_N, device=device).to(dt), torch.randn(PROBE_N, PROBE_N, device=device).to(dt)
-        best, _ = _time(lambda a=a, b=b: torch.mm(a, b), seconds)
-        out[name] = round(flops / best / machine.compute.matmul_rate(name, flops), 4)
-    return out
-
-
 # ------------------------------------------------------------------------------------------------
 # One device's rates
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import statistics
@@ -129,40 +128,19 @@ def predicted(ov: list[str], profile: str, machine, hw) -> float | None:
     return row.step_s if row is not None and row.fits else None
 
 
-def keep_measurement(entry: dict, r: dict, speed: float | None = None) -> None:
-    """One more measurement ``r`` (bench.run_one's result) of a point or candidate, made with the machine at
-    ``speed`` (:func:`pass_speed`; None: not probed). Kept: where every pass was probed, the one made nearest
-    the calibration's speed (what the prediction is priced at), else the fastest, as the calibration keeps the
-    fastest of its rounds."""
+def keep_fastest(entry: dict, r: dict) -> None:
+    """One more measurement ``r`` (bench.run_one's result) of a point or candidate: the fastest of them is kept."""
     entry["measured_passes"].append(r.get("step_s"))
-    entry.setdefault("speeds", []).append(speed)
-    done = [(x, entry["speeds"][i]) for i, x in enumerate(entry["measured_passes"]) if x]
-    if done and all(v for _, v in done):
-        kept = min(done, key=lambda d: (abs(math.log(d[1])), d[0]))
-    else:
-        kept = min(done, default=(None, None))
-    entry.update(measured_s=kept[0], speed=kept[1], status="ok" if done else r.get("status"))
-
-
-def pass_speed(before: dict, after: dict, profile: str) -> float | None:
-    """The machine's matmul speed over its calibration's (calibrate.speed_now) in ``profile``'s dtype, as the mean
-    of the probes just before and just after a run."""
-    dtype = calibrate.PRECISION_DTYPES[PROFILES[profile].precision]
-    got = [p[dtype] for p in (before, after) if dtype in p]
-    return sum(got) / len(got) if got else None
+    done = [x for x in entry["measured_passes"] if x]
+    entry.update(measured_s=min(done) if done else None, status="ok" if done else r.get("status"))
 
 
 def run_grid(points, out: str, steps: int, warmup: int, machine, hw, *, device: str = "cpu", sets=(),
-             timeout: float = 1800, save=None, passes: int = 1, probe=None) -> list[dict]:
+             timeout: float = 1800, save=None, passes: int = 1) -> list[dict]:
     """Each point: predicted, then measured in its own process, in ``passes`` passes over the whole grid; a point
     keeps its fastest measurement (each pass's is in ``measured_passes``), as the calibration keeps the fastest of
     its rounds: a machine that slows for a stretch slows one pass of a point, not its result. ``save(rows)``
-    after every run.
-
-    ``probe()``: the machine's speed against its calibration (calibrate.speed_now), taken just before and just
-    after each run (``speed_passes``); with it a point keeps the pass made nearest the calibration's speed
-    instead of the fastest (:func:`keep_measurement`): a shared CPU that switches speed for minutes at a time
-    makes the fastest pass one at a speed the calibration may not have seen."""
+    after every run."""
     rows: list[dict] = []
     for n in range(passes):
         for i, point in enumerate(points):
@@ -184,23 +162,20 @@ def run_grid(points, out: str, steps: int, warmup: int, machine, hw, *, device: 
                 except Exception as e:
                     pred, pred_error = None, f"{type(e).__name__}: {e}"
                     print(f"{name}: no prediction, {pred_error}", flush=True)
-                row.update(predicted_s=pred, prediction_error=pred_error, measured_passes=[], speed_passes=[])
+                row.update(predicted_s=pred, prediction_error=pred_error, measured_passes=[])
                 rows.append(row)
             row = rows[i]
             if n and row.get("status") == "skipped":
                 continue
-            before = probe() if probe is not None else {}
             r = bench.run_one(None, row["overrides"], profile, name if n == 0 else f"{name}-pass{n + 1}", out, steps,
                               warmup, timeout, hw)
-            after = probe() if probe is not None else {}
-            row["speed_passes"].append({"before": before, "after": after})
-            keep_measurement(row, r, pass_speed(before, after, profile))
+            keep_fastest(row, r)
             meas, pred = row["measured_s"], row["predicted_s"]
             err = (pred - meas) / meas * 100 if pred and meas else None
             row.update(error=None if meas else r.get("error"), error_pct=err,
                        wall_s=round(row.get("wall_s", 0) + (r.get("wall_s") or 0), 1), load_average=os.getloadavg()[0])
-            print(f"{name} (pass {n + 1} of {passes}): predicted {pred}, measured {r.get('step_s')} at machine speed "
-                  f"{row['speeds'][-1]}, kept {meas}, error {err}", flush=True)
+            print(f"{name} (pass {n + 1} of {passes}): predicted {pred}, measured {r.get('step_s')}, kept {meas}, "
+                  f"error {err}", flush=True)
             if save is not None:
                 save(rows)
     return rows
@@ -227,7 +202,7 @@ def run_choices(out: str, steps: int, warmup: int, machine, hw, *, sets=(), time
                     ov = [*ov[:-2], "model.gradient_checkpointing=true", f"model.checkpoint_every={c['checkpoint_every']}"]
                 r = bench.run_one(None, [*ov, *sets], c["profile"], f"choice-{len(res)}-{i}" + (f"-pass{n + 1}" if n else ""),
                                   out, steps, warmup, timeout, hw)
-                keep_measurement(m, r)
+                keep_fastest(m, r)
         ok = [m for m in measured if m["measured_s"]]
         fastest = min(ok, key=lambda m: m["measured_s"]) if ok else None
         pick = measured[0] if measured else None
@@ -287,33 +262,24 @@ def markdown(doc: dict) -> str:
     if doc.get("skipped"):
         return f"# Step time: predicted against measured ({doc['date']})\n\n{summary_line(doc)}\n"
     budgets = any(r.get("gpu_budget") is not None for r in doc["grid"])
-    speeds = any(r.get("speed") is not None for r in doc["grid"])
     lines = [f"# Step time: predicted against measured ({doc['date']})", "",
              f"Machine: {doc['machine']} ({doc['calibration_source']}); {doc['steps']} timed steps after "
              f"{doc['warmup']} warm-up, each run in its own process"
-             + (f"; each point measured in {doc['passes']} passes over the grid, keeping "
-                + ("the pass made nearest the calibration's speed" if speeds else "the fastest")
-                + " (every pass: `measured_passes` in the JSON)." if doc.get("passes", 1) > 1 else "."), "",
+             + (f"; each point the fastest of {doc['passes']} passes over the grid (every pass: `measured_passes` in "
+                "the JSON)." if doc.get("passes", 1) > 1 else "."), "",
              "| run | profile | micro-batch | checkpointing |" + (" GPU budget GiB |" if budgets else "")
-             + " predicted s | measured s | error |" + (" machine speed |" if speeds else ""),
-             "| --- | --- | ---: | --- |" + (" ---: |" if budgets else "") + " ---: | ---: | ---: |"
-             + (" ---: |" if speeds else "")]
+             + " predicted s | measured s | error |",
+             "| --- | --- | ---: | --- |" + (" ---: |" if budgets else "") + " ---: | ---: | ---: |"]
     for r in doc["grid"]:
         e = "-" if r["error_pct"] is None else f"{r['error_pct']:+.1f}%"
         p = "-" if r["predicted_s"] is None else f"{r['predicted_s']:.4f}"
         m = (r["status"] or "-") if r["measured_s"] is None else f"{r['measured_s']:.4f}"
         b = f" {'card' if r.get('gpu_budget') is None else r['gpu_budget']} |" if budgets else ""
-        v = f" {'-' if r.get('speed') is None else format(r['speed'], '.2f')} |" if speeds else ""
-        lines.append(f"| {r['name']} | `{r['profile']}` | {r['micro_batch']} | {r['checkpointing']} |{b} {p} | {m} | {e} |{v}")
+        lines.append(f"| {r['name']} | `{r['profile']}` | {r['micro_batch']} | {r['checkpointing']} |{b} {p} | {m} | {e} |")
     s = doc["summary"]
     lines += ["", f"Median |error| {s['median_abs_error_pct']:.1f}%, worst {s['max_abs_error_pct']:.1f}% over "
                   f"{s['points']} runs, {s[f'within_{WITHIN_PCT}pct']} within {WITHIN_PCT}% ({targets(doc)})."
               if s["points"] else "No run has both a prediction and a measurement."]
-    if speeds:
-        lines += ["", "Machine speed: this machine's matmul rate in the profile's dtype (fp32 or bf16), the mean of a "
-                      "probe just before and one just after the kept run, over the calibration's rate (1.00: as "
-                      "calibrated); each point keeps its pass made nearest the calibration's speed (every pass's "
-                      "probes: `speed_passes` in the JSON)."]
     if not doc["finished"]:
         lines += ["", f"Cut short: {s['done_points']} of {s['planned_points']} points done."]
     if doc.get("choices"):
@@ -415,9 +381,8 @@ def main() -> int:
                    summary=summarize(grid, len(points), list(choices)))
         write_results(a.out, doc)
 
-    speed = (lambda: calibrate.speed_now(machine)) if device == "cpu" else None  # a shared CPU's speed drifts
     grid = run_grid(points, a.out, a.steps, a.warmup, machine, hw, device=device, sets=a.sets, timeout=a.timeout,
-                    save=save, passes=a.passes, probe=speed)
+                    save=save, passes=a.passes)
     choices = ([] if a.gpu or a.quick or a.no_choices else
                run_choices(a.out, a.steps, a.warmup, machine, hw, sets=a.sets, timeout=a.timeout, passes=a.passes))
     doc["finished"] = True

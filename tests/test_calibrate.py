@@ -126,21 +126,6 @@ def test_corrections_are_kept_with_the_calibration(tmp_path):
     assert after.created == before.created  # still the age of the measurement
 
 
-def test_speed_now_is_the_matmul_rate_over_the_calibrated_one(monkeypatch):
-    """calibrate.speed_now: per dtype the calibration has a curve for, the probe's FLOP rate over the curve's at the
-    probe's FLOPs (fake_machine has float32 only; the probe's call takes 1 ms as timed)."""
-    def timed(fn, seconds):  # (fastest, median) of the call, which runs once
-        fn()
-        return 1e-3, 1e-3
-
-    monkeypatch.setattr(calibrate, "_time", timed)
-    m = fake_machine()
-    got = calibrate.speed_now(m, ("float32", "bfloat16"))
-    flops = 2.0 * calibrate.PROBE_N ** 3
-    assert set(got) == {"float32"}
-    assert got["float32"] == pytest.approx(flops / 1e-3 / m.compute.matmul_rate("float32", flops), rel=1e-3)
-
-
 def test_nonneg_least_squares():
     assert calibrate.nonneg_lstsq([[1, 1], [1, 3]], [3, 7]) == pytest.approx([1, 2])
     assert calibrate.nonneg_lstsq([[1, 1], [1, 3]], [5, 3]) == pytest.approx([4, 0])  # falling: no negative slope

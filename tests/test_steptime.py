@@ -218,30 +218,3 @@ def test_validation_grid_keeps_each_points_fastest_pass(monkeypatch, tmp_path):
     assert [r["measured_passes"] for r in rows] == [[0.5, 0.2], [0.1, 0.3]]
     assert [r["measured_s"] for r in rows] == [0.2, 0.1]
     assert [round(r["error_pct"]) for r in rows] == [0, 100]
-    assert all(r["speed"] is None for r in rows)  # no probe
-
-
-def test_validation_grid_keeps_the_pass_made_nearest_the_calibrations_speed(monkeypatch, tmp_path):
-    """scripts/validate_steptime.py probes the machine's speed against its calibration just before and after each
-    run (the mean of the two, in the profile's dtype, is the pass's speed); a point keeps its pass made nearest
-    the calibration's speed, not its fastest."""
-    import importlib.util
-
-    from helpers import ROOT
-
-    spec = importlib.util.spec_from_file_location("validate_steptime", os.path.join(ROOT, "scripts", "validate_steptime.py"))
-    vs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(vs)
-    steps = iter([0.25, 0.18, 0.2])
-    monkeypatch.setattr(vs.bench, "run_one", lambda *a: {"status": "ok", "step_s": next(steps), "wall_s": 1.0})
-    monkeypatch.setattr(vs, "predicted", lambda *a: 0.2)
-    monkeypatch.setattr(vs, "cannot_run", lambda *a: None)
-    probes = iter([{"float32": 0.7, "bfloat16": 1.0}, {"float32": 0.7, "bfloat16": 1.0},  # pass 1: 0.7 in fp32
-                   {"float32": 1.5, "bfloat16": 1.0}, {"float32": 1.3, "bfloat16": 1.0},  # pass 2: 1.4, the fastest
-                   {"float32": 1.1, "bfloat16": 0.5}, {"float32": 0.9, "bfloat16": 0.5}])  # pass 3: 1.0
-    rows = vs.run_grid([("a", "tiny", 128, 8, 2, "off", "amp-fp32", None)], str(tmp_path), 2, 1, None, None, passes=3,
-                       probe=lambda: next(probes))
-    r = rows[0]
-    assert r["measured_passes"] == [0.25, 0.18, 0.2] and r["speeds"] == pytest.approx([0.7, 1.4, 1.0])
-    assert r["measured_s"] == 0.2 and r["speed"] == pytest.approx(1.0) and r["error_pct"] == pytest.approx(0.0)
-    assert len(r["speed_passes"]) == 3 and r["speed_passes"][1]["before"] == {"float32": 1.5, "bfloat16": 1.0}
