@@ -218,3 +218,28 @@ def test_validation_grid_keeps_each_points_fastest_pass(monkeypatch, tmp_path):
     assert [r["measured_passes"] for r in rows] == [[0.5, 0.2], [0.1, 0.3]]
     assert [r["measured_s"] for r in rows] == [0.2, 0.1]
     assert [round(r["error_pct"]) for r in rows] == [0, 100]
+
+
+def test_validation_rescore_keeps_each_points_fastest_pass():
+    """scripts/validate_steptime.py --rescore: a finished grid's points and choice candidates re-kept at the fastest
+    of their passes, errors and picks recomputed, nothing measured."""
+    import importlib.util
+
+    from helpers import ROOT
+
+    spec = importlib.util.spec_from_file_location("validate_steptime", os.path.join(ROOT, "scripts", "validate_steptime.py"))
+    vs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vs)
+    grid = [{"name": "a", "status": "ok", "predicted_s": 0.2, "measured_s": 0.4, "measured_passes": [0.4, 0.25],
+             "error_pct": -50.0, "speed": 1.0},
+            {"name": "b", "status": "ok", "predicted_s": 0.2, "measured_s": None, "measured_passes": [None, None],
+             "error_pct": None}]
+    cands = [{"profile": "amp-fp32", "setting": "x", "measured_passes": [0.3, 0.1], "measured_s": 0.3},
+             {"profile": "zero2-fp32", "setting": "x", "measured_passes": [0.2, 0.2], "measured_s": 0.2}]
+    doc = vs.rescore({"grid": grid, "choices": [{"workload": "w", "candidates": cands}],
+                      "summary": {"planned_points": 2}})
+    assert doc["grid"][0]["measured_s"] == 0.25 and doc["grid"][0]["error_pct"] == pytest.approx(-20.0)
+    assert "speed" not in doc["grid"][0] and doc["grid"][1]["measured_s"] is None
+    c = doc["choices"][0]
+    assert c["measured_fastest"]["profile"] == "amp-fp32" and c["pick_is_fastest"]
+    assert doc["summary"]["points"] == 1 and doc["summary"]["max_abs_error_pct"] == pytest.approx(20.0)
