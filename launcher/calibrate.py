@@ -131,9 +131,14 @@ class Sizes:
     optimizer_tensors: tuple = (512, 1024)  # how many, and elements each: the per-tensor cost
     optimizer_steps: int = 3  # warm-up steps before timing (the first allocates the moments)
     engine_depths: tuple = (1, 4)  # decoder layers: 12 and 39 parameter tensors
-    # (layers, hidden) of a wider model, 21x the parameters of the deeper one for 80% of its tensors: the engines'
-    # cost per parameter (their passes over weights and gradients: casts, copies to fp32 partitions, shards)
-    engine_wide: tuple | None = (2, 256)
+    # (layers, hidden) of a wider model, 44x the parameters of the deeper one for about half its tensors: the
+    # engines' cost per parameter (their passes over weights and gradients: casts, copies to fp32 partitions,
+    # shards). Wide enough that a flat fp32 buffer of it (41 MB) is above glibc's largest mmap threshold (32 MiB),
+    # as a real model's are: such a buffer, made again every step (ZeRO-2's gradient partition, its flattened
+    # copies), comes from fresh pages, each first touch a page fault (llama-125m on zero2-fp32: 8.2M minor faults in
+    # an 8-step run, amp-fp32 1.7M), which a model 256 wide (1.7M parameters, its buffers reused from the heap)
+    # never pays: its fits put ZeRO-2's cost per parameter at 0-1.4 ns a micro-batch where llama-125m pays several.
+    engine_wide: tuple | None = (2, 640)
     engine_steps: int = 3  # timed optimizer steps per model and round, after one warm-up
     engine_rounds: int = 2  # every family's models timed once per round (see _engines)
     families: tuple = FAMILIES
