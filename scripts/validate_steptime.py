@@ -144,17 +144,11 @@ def rescore(doc: dict) -> dict:
             row["measured_s"] = min(done)
             row["error_pct"] = ((row["predicted_s"] - row["measured_s"]) / row["measured_s"] * 100
                                 if row["predicted_s"] else None)
-    for c in doc.get("choices") or []:
+    for i, c in enumerate(doc.get("choices") or []):
         for m in c["candidates"]:
             done = [x for x in m.get("measured_passes") or [] if x]
             m["measured_s"] = min(done) if done else None
-        ok = [m for m in c["candidates"] if m["measured_s"]]
-        fastest, pick = min(ok, key=lambda m: m["measured_s"]) if ok else None, c["candidates"][0] if c["candidates"] else None
-        c.update(planner_pick=pick, measured_fastest=fastest,
-                 pick_is_fastest=bool(pick and fastest and pick["profile"] == fastest["profile"]
-                                      and pick["setting"] == fastest["setting"]),
-                 pick_within_5pct=bool(pick and fastest and pick.get("measured_s")
-                                       and pick["measured_s"] <= 1.05 * fastest["measured_s"]))
+        doc["choices"][i] = choice_result(c["workload"], c["candidates"])
     for r in doc["grid"]:
         r.pop("speed", None)  # an earlier version's pick of a pass; every pass's probes stay in speed_passes
     planned = doc.get("summary", {}).get("planned_points", len(doc["grid"]))
@@ -231,17 +225,23 @@ def run_choices(out: str, steps: int, warmup: int, machine, hw, *, sets=(), time
                 r = bench.run_one(None, [*ov, *sets], c["profile"], f"choice-{len(res)}-{i}" + (f"-pass{n + 1}" if n else ""),
                                   out, steps, warmup, timeout, hw)
                 keep_fastest(m, r)
-        ok = [m for m in measured if m["measured_s"]]
-        fastest = min(ok, key=lambda m: m["measured_s"]) if ok else None
-        pick = measured[0] if measured else None
-        res.append({"workload": label, "candidates": measured, "planner_pick": pick, "measured_fastest": fastest,
-                    "pick_is_fastest": bool(pick and fastest and pick["profile"] == fastest["profile"]
-                                            and pick["setting"] == fastest["setting"]),
-                    "pick_within_5pct": bool(pick and fastest and pick.get("measured_s")
-                                             and pick["measured_s"] <= 1.05 * fastest["measured_s"])})
+        res.append(choice_result(label, measured))
+        pick, fastest = res[-1]["planner_pick"], res[-1]["measured_fastest"]
         print(f"choice {label}: pick {pick and pick['profile']} {pick and pick['setting']}, fastest "
               f"{fastest and fastest['profile']} {fastest and fastest['setting']}", flush=True)
     return res
+
+
+def choice_result(label: str, measured: list[dict]) -> dict:
+    """A workload's candidates as measured (the planner's first choice first): its pick against the fastest."""
+    ok = [m for m in measured if m["measured_s"]]
+    fastest = min(ok, key=lambda m: m["measured_s"]) if ok else None
+    pick = measured[0] if measured else None
+    return {"workload": label, "candidates": measured, "planner_pick": pick, "measured_fastest": fastest,
+            "pick_is_fastest": bool(pick and fastest and pick["profile"] == fastest["profile"]
+                                    and pick["setting"] == fastest["setting"]),
+            "pick_within_5pct": bool(pick and fastest and pick.get("measured_s")
+                                     and pick["measured_s"] <= 1.05 * fastest["measured_s"])}
 
 
 def summarize(rows: list[dict], planned: int, choices: list[dict]) -> dict:
