@@ -131,23 +131,30 @@ def predicted(ov: list[str], profile: str, machine, hw) -> float | None:
 def keep_fastest(entry: dict, r: dict) -> None:
     """One more measurement ``r`` (bench.run_one's result) of a point or candidate: the fastest of them is kept."""
     entry["measured_passes"].append(r.get("step_s"))
+    fastest_pass(entry)
+    entry["status"] = "ok" if entry["measured_s"] else r.get("status")
+
+
+def fastest_pass(entry: dict) -> None:
+    """``measured_s``: the fastest of a point's or candidate's ``measured_passes`` (None: none measured)."""
     done = [x for x in entry["measured_passes"] if x]
-    entry.update(measured_s=min(done) if done else None, status="ok" if done else r.get("status"))
+    entry["measured_s"] = min(done) if done else None
+
+
+def error_pct(pred: float | None, meas: float | None) -> float | None:
+    return (pred - meas) / meas * 100 if pred and meas else None
 
 
 def rescore(doc: dict) -> dict:
     """A finished grid's results with every point and candidate keeping the fastest of its passes (``--rescore``:
     a grid measured by a version of this script that kept another pass; nothing is measured again)."""
     for row in doc["grid"]:
-        done = [x for x in row.get("measured_passes") or [] if x]
-        if done:
-            row["measured_s"] = min(done)
-            row["error_pct"] = ((row["predicted_s"] - row["measured_s"]) / row["measured_s"] * 100
-                                if row["predicted_s"] else None)
+        if row.get("measured_passes"):  # a skipped point has none
+            fastest_pass(row)
+            row["error_pct"] = error_pct(row["predicted_s"], row["measured_s"])
     for i, c in enumerate(doc.get("choices") or []):
         for m in c["candidates"]:
-            done = [x for x in m.get("measured_passes") or [] if x]
-            m["measured_s"] = min(done) if done else None
+            fastest_pass(m)
         doc["choices"][i] = choice_result(c["workload"], c["candidates"])
     for r in doc["grid"]:
         r.pop("speed", None)  # an earlier version's pick of a pass; every pass's probes stay in speed_passes
@@ -193,7 +200,7 @@ def run_grid(points, out: str, steps: int, warmup: int, machine, hw, *, device: 
                               warmup, timeout, hw)
             keep_fastest(row, r)
             meas, pred = row["measured_s"], row["predicted_s"]
-            err = (pred - meas) / meas * 100 if pred and meas else None
+            err = error_pct(pred, meas)
             row.update(error=None if meas else r.get("error"), error_pct=err,
                        wall_s=round(row.get("wall_s", 0) + (r.get("wall_s") or 0), 1), load_average=os.getloadavg()[0])
             print(f"{name} (pass {n + 1} of {passes}): predicted {pred}, measured {r.get('step_s')}, kept {meas}, "
