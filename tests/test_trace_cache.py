@@ -22,6 +22,7 @@ VARIANTS = {
     "ckpt-offload-chunked": dict(gradient_checkpointing=True, offload_activations=True, chunked_loss=True,
                                  autocast_dtype=torch.bfloat16),
     "offload-packed-dropout": dict(offload_activations=True, packed=True, lora_r=4, lora_dropout=0.1),
+    "ckpt-lora-autocast-cpu": dict(gradient_checkpointing=True, lora_r=4, autocast_dtype=torch.bfloat16, target="cpu"),
 }
 
 

@@ -25,15 +25,21 @@ S = TraceSettings(batch_size=2, seq_len=16, target="cpu", gradient_checkpointing
                   autocast_dtype=torch.bfloat16)
 
 
-def same(a, b) -> bool:
-    """Equal but for the time the trace took."""
-    return dataclasses.replace(a, seconds=0.0) == dataclasses.replace(b, seconds=0.0)
-
-
-def first_difference(a: list, b: list) -> str:
-    """Where two op records part, for a failure's message."""
-    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return f"{len(a)} and {len(b)} ops, first apart at {i}: {a[i:i + 3]} against {b[i:i + 3]}"
+def differences(a, b) -> list:
+    """The fields in which two traces differ, but the time each took: where an op record parts, the ops there."""
+    out = []
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if f.name == "seconds" or x == y:
+            continue
+        if f.name == "op_list":
+            i = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+            out.append(f"op_list: {len(x)} and {len(y)} ops, first apart at {i}: {x[i:i + 3]} against {y[i:i + 3]}")
+        elif f.name == "ops":
+            out.append(f"ops: {({k: (x.get(k), y.get(k)) for k in set(x) | set(y) if x.get(k) != y.get(k)})}")
+        else:
+            out.append(f"{f.name}: {x} against {y}")
+    return out
 
 
 def fresh(store):
@@ -58,29 +64,35 @@ def test_a_kept_trace_reads_back_equal(tmp_path):
         fresh(None)
 
 
+def read_back(directory):
+    """A new store on ``directory`` and what the trace of ``(CFG, 2, S)`` is through it, as a new process sees it."""
+    store = tracestore.TraceStore(str(directory))
+    fresh(store)
+    return store, trace_at(CFG, 2, S)
+
+
 def test_damaged_or_foreign_files_are_traced_again(tmp_path):
-    store = tracestore.TraceStore(str(tmp_path))
+    """What the store promises, and only that: a damaged file is traced again and rewritten, and the new file reads
+    back as what was traced. (Two traces of one setting made apart are not compared here: the planner's traces
+    are the same each time, which tests/test_trace_cache.py checks.)"""
     try:
-        fresh(store)
-        made = trace_at(CFG, 2, S)
+        first, made = read_back(tmp_path)
+        assert first.hits == 0 and first.writes == 1
         (path,) = [tmp_path / n for n in os.listdir(tmp_path)]
         path.write_bytes(path.read_bytes()[:40])  # truncated
-        again = tracestore.TraceStore(str(tmp_path))
-        fresh(again)
-        retraced = trace_at(CFG, 2, S)
-        assert again.hits == 0 and again.writes == 1  # traced, rewritten
-        assert retraced.op_list == made.op_list, first_difference(made.op_list, retraced.op_list)
-        third = tracestore.TraceStore(str(tmp_path))
-        fresh(third)
-        assert same(trace_at(CFG, 2, S), retraced) and third.hits == 1
+        again, retraced = read_back(tmp_path)
+        assert again.hits == 0 and again.writes == 1 and retraced.peak > 0  # traced, rewritten
+        third, kept = read_back(tmp_path)
+        assert third.hits == 1 and kept == retraced, differences(kept, retraced)
         with gzip.open(path, "rt") as fh:
             assert '"key"' in fh.read(200)
         body = bytearray(path.read_bytes())
         body[10] ^= 0xFF  # the first deflate block header, after the 10-byte gzip header: zlib.error, not OSError
         path.write_bytes(bytes(body))
-        flipped = tracestore.TraceStore(str(tmp_path))
-        fresh(flipped)
-        assert same(trace_at(CFG, 2, S), retraced) and flipped.hits == 0 and flipped.writes == 1
+        flipped, traced = read_back(tmp_path)
+        assert flipped.hits == 0 and flipped.writes == 1 and traced.peak > 0
+        fourth, kept = read_back(tmp_path)
+        assert fourth.hits == 1 and kept == traced, differences(kept, traced)
         other = tracestore.TraceStore(str(tmp_path))
         other.version = "another vramfit"  # its file names differ, and a file of the same name is not trusted
         fresh(other)
