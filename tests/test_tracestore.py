@@ -76,7 +76,7 @@ def test_damaged_or_foreign_files_are_traced_again(tmp_path):
     back as what was traced. (Two traces of one setting made apart are not compared here: the planner's traces
     are the same each time, which tests/test_trace_cache.py checks.)"""
     try:
-        first, made = read_back(tmp_path)
+        first, _ = read_back(tmp_path)
         assert first.hits == 0 and first.writes == 1
         (path,) = [tmp_path / n for n in os.listdir(tmp_path)]
         path.write_bytes(path.read_bytes()[:40])  # truncated
