@@ -48,7 +48,7 @@ def parse_prices(text: str | None) -> dict[str, float]:
                             f"--price {name or 'T4'}=0.35")
             continue
         try:
-            spec = gpus.find(name)
+            spec = gpus.find(name, flag="--price", value=value)
         except ConfigError as e:
             problems += e.problems
             continue

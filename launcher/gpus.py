@@ -253,21 +253,28 @@ def names() -> list[str]:
     return [spec.name for spec in CATALOGUE]
 
 
-def find(name: str) -> GPUSpec:
+def find(name: str, flag: str = "--gpu", value: str | None = None) -> GPUSpec:
     """The catalogue entry for ``name`` (case, spaces, '-' and '_' ignored; 'NVIDIA', 'GeForce' and 'Tesla'
-    optional). Raises :class:`ConfigError` for an unknown or ambiguous name."""
+    optional). Raises :class:`ConfigError` for an unknown or ambiguous name, naming the option it came from
+    (``flag``: ``--gpu``, or ``--price`` with the ``value`` it priced the card at)."""
     key = _norm(name)
     if key in _INDEX:
         return _INDEX[key]
+
+    def fix(card: str) -> str:
+        return f"{flag} {card}" + (f"={value}" if value is not None else "")
+
     if key in AMBIGUOUS:
         choices = AMBIGUOUS[key]
-        raise ConfigError([f"--gpu: got {name!r}, which names {len(choices)} cards; rule: the card must be exact "
-                           f"(memory and speed differ); fix: one of {', '.join(choices)}"], "command line")
+        raise ConfigError([f"{flag}: got {name!r}, which names {len(choices)} cards; rule: the card must be exact "
+                           f"(memory and speed differ); fix: one of {', '.join(fix(c) for c in choices)}"],
+                          "command line")
     close = difflib.get_close_matches(key, list(_INDEX), n=1, cutoff=0.6)
     hint = f" (did you mean {_INDEX[close[0]].name}?)" if close else ""
-    raise ConfigError([f"--gpu: got {name!r}{hint}; rule: a GPU of the catalogue ({', '.join(names())}); "
-                       f"fix: --gpu {_INDEX[close[0]].name if close else names()[0]}, or plan for this machine "
-                       "without --gpu (docs/gpus.md says how to add a card)"], "command line")
+    tail = ", or plan for this machine without --gpu" if flag == "--gpu" else ""
+    raise ConfigError([f"{flag}: got {name!r}{hint}; rule: a GPU of the catalogue ({', '.join(names())}); "
+                       f"fix: {fix(_INDEX[close[0]].name if close else names()[0])}{tail} (docs/gpus.md says how "
+                       "to add a card)"], "command line")
 
 
 # ------------------------------------------------------------------------------------------------

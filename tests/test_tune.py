@@ -50,7 +50,9 @@ def test_compare_gpus_with_prices(calibrated):
     (["--gpu", "T5"], "--gpu: got 'T5'"),
     (["--gpu", "A100"], "which names 4 cards"),
     (["--compare-gpus", "--price", "T4=-1"], "a price is zero or more"),
-    (["--compare-gpus", "--price", "T9=0.3"], "--gpu: got 'T9'"),
+    (["--compare-gpus", "--price", "T9=0.3"], "--price: got 'T9'"),  # the option it came from, and its fix
+    (["--compare-gpus", "--price", "T9=0.3"], "fix: --price T4=0.3"),
+    (["--compare-gpus", "--price", "A100=1"], "fix: one of --price A100-40GB-SXM=1"),
     (["--price", "T4=0.3"], "without --compare-gpus"),
 ])
 def test_bad_gpu_and_price_input(args, message):
