@@ -8,6 +8,7 @@ through emulation.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import importlib.util
 import os
@@ -439,7 +440,7 @@ def remember_cpu_info() -> None:
     subprocess to read the CPU's flags: 1.2-1.4 s a call on a 2-core Xeon. DeepSpeed calls it twice for every
     op it JIT-loads (its ``-march`` and SIMD flags) and once for every ``DeepSpeedCPUAdam`` made, each time
     anew: five calls, 6.7 s, in a calibration's optimizer part. The CPU does not change while a process runs.
-    Each caller gets its own copy of the dict."""
+    Each caller gets its own deep copy: the flags are a list a caller could change."""
     try:
         import cpuinfo
     except ImportError:
@@ -449,7 +450,7 @@ def remember_cpu_info() -> None:
     first = functools.cache(cpuinfo.get_cpu_info)
 
     def get_cpu_info() -> dict:
-        return dict(first())
+        return copy.deepcopy(first())
 
     get_cpu_info.remembered = True
     cpuinfo.get_cpu_info = get_cpu_info

@@ -204,6 +204,7 @@ def test_remember_cpu_info_probes_the_cpu_once_and_hands_out_copies(monkeypatch)
     hardware.remember_cpu_info()  # a second call keeps the first wrapper
     first = fake.get_cpu_info()
     first["arch"] = "changed by a caller"
+    first["flags"].append("avx512f")  # what is inside too
     assert fake.get_cpu_info() == {"arch": "X86_64", "flags": ["avx2"]}
     assert len(calls) == 1
 
