@@ -198,19 +198,44 @@ def test_real_cpu_run_saves_what_the_plan_says_at_a_128k_vocabulary():
 # Training: every engine, the plain curve
 
 
+def count_chunked(monkeypatch) -> list:
+    """A list that grows by one each time a real loss is taken in chunks (launcher.loss arms the head for it;
+    the planner's traces on the meta device are not counted): the chunked and the plain loss agree to rounding,
+    so only this tells that a run chunked."""
+    from launcher import loss
+
+    calls, armed = [], loss._armed_head
+
+    def counted(model, labels, *args, **kwargs):
+        if not labels.is_meta:
+            calls.append(1)
+        return armed(model, labels, *args, **kwargs)
+
+    monkeypatch.setattr(loss, "_armed_head", counted)
+    return calls
+
+
+def run_plain_and_chunked(tmp_path, monkeypatch, *overrides, name=""):
+    """(summary, rows) of a run with ``loss.chunked=off`` and of one with ``=on``; each checked to have taken its
+    loss as asked."""
+    calls = count_chunked(monkeypatch)
+    s_ref, ref = run_inprocess(tmp_path, *overrides, "loss.chunked=off", f"run_name={name}plain")
+    assert not calls, "loss.chunked=off took a loss in chunks"
+    s, got = run_inprocess(tmp_path, *overrides, "loss.chunked=on", f"run_name={name}chunked")
+    assert len(calls) >= s["steps"], f"loss.chunked=on chunked {len(calls)} losses in {s['steps']} steps"
+    return (s_ref, ref), (s, got)
+
+
 @pytest.mark.slow
-def test_chunked_loss_trains_like_the_plain_loss_amp_and_zero2(tmp_path):
+def test_chunked_loss_trains_like_the_plain_loss_amp_and_zero2(tmp_path, monkeypatch):
     cases = [("amp-fp32", [])]
     from helpers import has_deepspeed
 
     if has_deepspeed():
         cases.append(("zero2-fp32", []))
     for profile, extra in cases:
-        _, ref = run_inprocess(tmp_path, *QUIET, f"profile={profile}", "loss.chunked=off", f"run_name={profile}-plain",
-                               *extra)
-        s, got = run_inprocess(tmp_path, *QUIET, f"profile={profile}", "loss.chunked=on", f"run_name={profile}-chunked",
-                               *extra)
-        assert "loss chunked" not in " ".join(s["reasons"])  # asked, not decided
+        (_, ref), (_, got) = run_plain_and_chunked(tmp_path, monkeypatch, *QUIET, f"profile={profile}", *extra,
+                                                   name=f"{profile}-")
         mx, _ = compare(losses(got), losses(ref), f"{profile} chunked vs plain")
         assert mx < 1e-5
 
@@ -220,20 +245,18 @@ def test_chunked_loss_trains_like_the_plain_loss_amp_and_zero2(tmp_path):
 @pytest.mark.parametrize("profile,tol", [
     pytest.param("zero3-bf16-offload-all", 2e-2, marks=pytest.mark.extended),  # the longest: out of CI's box
     ("fsdp-bf16-offload", 2e-2)])
-def test_chunked_loss_trains_like_the_plain_loss_zero3_and_fsdp(tmp_path, profile, tol):
-    _, ref = run_inprocess(tmp_path, *QUIET, f"profile={profile}", "loss.chunked=off", "run_name=plain")
-    _, got = run_inprocess(tmp_path, *QUIET, f"profile={profile}", "loss.chunked=on", "run_name=chunked")
+def test_chunked_loss_trains_like_the_plain_loss_zero3_and_fsdp(tmp_path, monkeypatch, profile, tol):
+    (_, ref), (_, got) = run_plain_and_chunked(tmp_path, monkeypatch, *QUIET, f"profile={profile}")
     mx, _ = compare(losses(got), losses(ref), f"{profile} chunked vs plain")
     assert mx < tol
 
 
 @pytest.mark.slow
 @pytest.mark.extended
-def test_chunked_loss_with_qlora(tmp_path):
+def test_chunked_loss_with_qlora(tmp_path, monkeypatch):
     pytest.importorskip("bitsandbytes")
     base = [*QUIET, "lora.r=8", "model.quantize=4bit", "precision=bf16", "engine=amp"]
-    _, ref = run_inprocess(tmp_path, *base, "loss.chunked=off", "run_name=plain")
-    _, got = run_inprocess(tmp_path, *base, "loss.chunked=on", "run_name=chunked")
+    (_, ref), (_, got) = run_plain_and_chunked(tmp_path, monkeypatch, *base)
     mx, _ = compare(losses(got), losses(ref), "QLoRA chunked vs plain")
     assert mx < 2e-2
 
@@ -243,10 +266,25 @@ def test_chunked_loss_with_qlora(tmp_path):
 
 
 @pytest.mark.parametrize("ckpt", ["false", "true"])
-def test_activation_offload_trains_exactly_like_the_plain_run(tmp_path, ckpt):
+def test_activation_offload_trains_exactly_like_the_plain_run(tmp_path, ckpt, monkeypatch):
+    from launcher import actoffload
+
+    packed = {"offloaded": 0, "stayed": 0}  # every saved tensor the offload hook saw, by what it did with it
+    stays = actoffload.stays
+
+    def counted(t):
+        kept = stays(t)
+        packed["stayed" if kept else "offloaded"] += 1
+        return kept
+
+    monkeypatch.setattr(actoffload, "stays", counted)
     common = [*QUIET, "profile=amp-fp32", f"model.gradient_checkpointing={ckpt}", "train.max_steps=8"]
     _, ref = run_inprocess(tmp_path, *common, "memory.offload_activations=off", "run_name=plain")
+    assert packed == {"offloaded": 0, "stayed": 0}  # the plain run has no hook
     s, got = run_inprocess(tmp_path, *common, "memory.offload_activations=on", "run_name=offload")
+    assert packed["offloaded"] > 0  # on the CPU the copies are exact, so only this tells the run offloaded
+    if ckpt == "false":  # each linear's weight is saved for the input gradient, and stays
+        assert packed["stayed"] > 0
     assert losses(got) == losses(ref)  # the same bytes, copied there and back
     assert s["gradient_checkpointing"] is (ckpt == "true")
 
