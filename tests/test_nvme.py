@@ -95,6 +95,33 @@ def test_doctor_names_the_async_io_op():
     assert r.returncode == 0 and "async_io op (NVMe offload):" in r.stdout
 
 
+def test_each_engine_gets_its_own_swap_folder_and_a_dead_runs_folder_goes(tmp_path):
+    """DeepSpeed never deletes its swap files and its checkpoints copy the whole folder: each engine gets a new
+    folder (removed when it closes), and a folder whose process is gone (a killed run) is removed by the next
+    run; a running process's folder, and anything not named like ours, stays."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from launcher.engines import SWAP_PREFIX, nvme_folder
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)
+    for name in (f"{SWAP_PREFIX}{dead}", f"{SWAP_PREFIX}{dead}-abc", f"{SWAP_PREFIX}{os.getpid()}-mine",
+                 f"{SWAP_PREFIX}x1", "other"):
+        (tmp_path / name / "zero_stage_3").mkdir(parents=True)
+        (tmp_path / name / "zero_stage_3" / "0_38.tensor.swp").write_bytes(b"x" * 4096)
+    (tmp_path / f"{SWAP_PREFIX}{dead}7").write_text("a file, not a folder")
+    cfg = SimpleNamespace(memory=SimpleNamespace(nvme_path=str(tmp_path)))
+    spec = SimpleNamespace(profile=profiles.PROFILES["zero3-bf16-offload-nvme-opt"])
+    first, second = nvme_folder(cfg, spec), nvme_folder(cfg, spec)
+    assert first != second and os.path.dirname(first) == str(tmp_path)
+    assert os.path.basename(first).startswith(f"{SWAP_PREFIX}{os.getpid()}-")
+    left = set(os.listdir(tmp_path)) - {os.path.basename(first), os.path.basename(second)}
+    assert left == {f"{SWAP_PREFIX}{os.getpid()}-mine", f"{SWAP_PREFIX}x1", "other", f"{SWAP_PREFIX}{dead}7"}
+    assert nvme_folder(cfg, SimpleNamespace(profile=profiles.PROFILES["zero3-bf16-offload-all"])) == ""
+
+
 needs_aio = pytest.mark.skipif(async_io_status() != "usable", reason="DeepSpeed's async_io op cannot build here (libaio)")
 
 
@@ -103,11 +130,84 @@ needs_aio = pytest.mark.skipif(async_io_status() != "usable", reason="DeepSpeed'
 @needs_deepspeed
 @needs_aio
 def test_nvme_offload_trains_like_zero3_cpu_offload_and_resumes(tmp_path):
+    """Each NVMe profile swaps through a folder of its engine's under memory.nvme_path (removed when the run
+    ends), trains like ZeRO-3 CPU offload, and a run stopped at step 4 resumes on its uninterrupted curve exactly:
+    DeepSpeed's checkpoint restores the swapped fp32 master only if the files carry this engine's names, and
+    never the moments or what stays in memory (launcher.engines.deepspeed._resident_optimizer_state)."""
+    import signal
+
+    from launcher.faults import Hooks
+
+    _, ref = run_inprocess(tmp_path, *QUIET, "profile=zero3-bf16-offload-all", "run_name=cpu", "checkpoint.save=false")
     nv = tmp_path / "nvme"
     nv.mkdir()
-    _, ref = run_inprocess(tmp_path, *QUIET, "profile=zero3-bf16-offload-all", "run_name=cpu", "checkpoint.save=false")
     for prof in ("zero3-bf16-offload-nvme-opt", "zero3-bf16-offload-nvme-all"):
-        s, rows = run_inprocess(tmp_path, *QUIET, f"profile={prof}", f"memory.nvme_path={nv}", f"run_name={prof}",
-                                "checkpoint.save=false")
-        mx, _ = compare(losses(rows), losses(ref), f"{prof} vs zero3-bf16-offload-all")
-        assert s["status"] == "completed" and mx < 2e-2
+        seen = []  # the swap folders and their bytes after each step
+
+        def swapped(step, seen=seen):
+            folders = os.listdir(nv)
+            seen.append((folders, sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(nv) for f in fs)))
+
+        args = [*QUIET, f"profile={prof}", f"memory.nvme_path={nv}", "checkpoint.every_steps=4",
+                "train.max_steps=8"]
+        s, rows = run_inprocess(tmp_path, *args, f"run_name={prof}", hooks=Hooks(after_step=swapped))
+        assert s["status"] == "completed" and all(len(f) == 1 and n > 0 for f, n in seen), seen
+        assert os.listdir(nv) == []  # the engine's swap folder goes when it closes
+        mx, _ = compare(losses(rows), losses(ref)[:8], f"{prof} vs zero3-bf16-offload-all")
+        assert mx < 2e-2
+
+        def stop(step):
+            if step == 4:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        cut, _ = run_inprocess(tmp_path, *args, f"run_name={prof}-cut", hooks=Hooks(after_step=stop))
+        assert cut["status"] == "interrupted" and cut["steps"] == 4
+        again, resumed = run_inprocess(tmp_path, *args, f"run_name={prof}-cut")
+        assert again["status"] == "completed" and again["resumed_from"] == cut["checkpoint"]
+        assert losses(resumed) == losses(rows)  # measured identical, bf16 included
+        assert os.listdir(nv) == []
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@needs_deepspeed
+@needs_aio
+def test_a_checkpoint_missing_swap_files_is_refused_and_a_ladder_moves_onto_nvme(tmp_path, monkeypatch):
+    """A checkpoint whose NVMe files are not the ones this engine reads (written by an engine whose parameters
+    DeepSpeed numbered from 1000, as a second engine in one process was before vramfit numbered them from 0)
+    is refused before anything trains: resuming would start those groups afresh. And the OOM ladder's last rung,
+    onto NVMe, carries the fp32 master and Adam's moments over exactly (a fresh engine's swapped state is made
+    swap-aware)."""
+    import signal
+
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    from helpers import oom_hook
+    from launcher.engines import deepspeed as ds_engine
+    from launcher.faults import Hooks
+
+    nv = tmp_path / "nvme"
+    nv.mkdir()
+    args = [*QUIET, "profile=zero3-bf16-offload-nvme-opt", f"memory.nvme_path={nv}", "checkpoint.every_steps=2",
+            "train.max_steps=4"]
+    numbered = ds_engine._number_parameters_from_zero
+    monkeypatch.setattr(ds_engine, "_number_parameters_from_zero", lambda: setattr(Init, "param_id", 1000))
+    cut, _ = run_inprocess(tmp_path, *args, "run_name=cut", hooks=Hooks(
+        after_step=lambda s: os.kill(os.getpid(), signal.SIGTERM) if s == 2 else None))
+    monkeypatch.setattr(ds_engine, "_number_parameters_from_zero", numbered)
+    written = sorted(os.listdir(os.path.join(cut["checkpoint"], "ds", "offloaded_tensors", "rank00")))
+    assert written and all("1000_" in f for f in written), written
+    with pytest.raises(ConfigError) as e:
+        run_inprocess(tmp_path, *args, "run_name=cut")
+    assert "lacks" in str(e.value) and "exp_avg-0_" in str(e.value) and "freshly initialized" in str(e.value)
+    assert os.listdir(nv) == []  # the refused engine's swap folder went too
+
+    base = [*QUIET, "profile=zero3-bf16-offload-all", "train.micro_batch_size=1", "train.global_batch_size=8",
+            "train.max_steps=6", "train.warmup_steps=2", "model.gradient_checkpointing=true",
+            f"memory.nvme_path={nv}", "checkpoint.save=false"]
+    s, rows = run_inprocess(tmp_path, *base, "run_name=oom", hooks=oom_hook([3]))
+    assert s["status"] == "completed" and [f["to"]["profile"] for f in s["fallbacks"]] == [
+        "zero3-bf16-offload-nvme-opt"]
+    _, ref = run_inprocess(tmp_path, *base, "run_name=ref")
+    assert losses(rows) == losses(ref)  # measured identical
+    assert os.listdir(nv) == []

@@ -12,7 +12,7 @@ import weakref
 import pytest
 import torch
 
-from helpers import FAST, ROOT, compare, losses, needs_deepspeed, run_inprocess
+from helpers import FAST, ROOT, compare, losses, needs_deepspeed, oom_hook, run_inprocess
 from launcher.config import ConfigError
 from launcher.faults import Hooks
 from launcher.ladder import Rung, next_move
@@ -27,10 +27,17 @@ def sigterm_at(step_to_stop):
 
 @pytest.mark.parametrize("profile,tol", [("amp-fp32", 0.0), ("amp-bf16", 1e-6),
                                          pytest.param("zero2-fp32", 0.0, marks=needs_deepspeed),
-                                         pytest.param("zero2-bf16", 1e-6, marks=needs_deepspeed)])
+                                         pytest.param("zero2-bf16", 1e-6, marks=needs_deepspeed),
+                                         # the offloading families, whose state lives on the CPU
+                                         pytest.param("zero2-bf16-offload-opt", 1e-6,
+                                                      marks=[needs_deepspeed, pytest.mark.slow]),
+                                         pytest.param("zero3-bf16-offload-all", 1e-6,
+                                                      marks=[needs_deepspeed, pytest.mark.slow]),
+                                         pytest.param("fsdp-bf16-offload", 1e-6, marks=pytest.mark.slow)])
 def test_sigterm_then_resume_matches_uninterrupted(tmp_path, profile, tol):
     """Stop with SIGTERM after step 6 (between checkpoints), resume, and compare every step's loss with an
-    uninterrupted run: bit-identical in fp32; bf16 allowed 1e-6 relative (measured identical too)."""
+    uninterrupted run: bit-identical in fp32; bf16 allowed 1e-6 relative (measured identical too). NVMe
+    offload: tests/test_nvme.py."""
     full, rows_full = run_inprocess(tmp_path, f"profile={profile}", "run_name=full", *STEPS)
     part, _ = run_inprocess(tmp_path, f"profile={profile}", "run_name=cut", *STEPS, hooks=sigterm_at(6))
     assert part["status"] == "interrupted" and part["steps"] == 6
@@ -132,24 +139,6 @@ def test_changed_setting_refused_with_diff_allowed_one_continues(tmp_path):
     assert s["resumed_from"].endswith("step-000004") and s["steps"] == 8 and len(rows) == 8
 
 
-def oom_hook(at_steps):
-    """Raise a fake CUDA OOM in the second micro-batch's forward of each step in ``at_steps`` (one per entry),
-    so that a half-accumulated step must be thrown away."""
-    pending = list(at_steps)
-
-    def before_step(step, engine):
-        if pending and pending[0] == step:
-            pending.pop(0)
-            calls = {"n": 0}
-
-            def pre(_mod, _args):
-                calls["n"] += 1
-                if calls["n"] == 2:
-                    handle.remove()
-                    raise torch.OutOfMemoryError("CUDA out of memory (injected by test)")
-
-            handle = engine.module().register_forward_pre_hook(pre)
-    return Hooks(before_step=before_step)
 
 
 def test_ladder_sequence_is_pure_and_complete():

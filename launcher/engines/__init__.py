@@ -28,6 +28,7 @@ def build(cfg, spec, model, hw: Hardware, hidden_size: int, lr: float):
         pin, why = pin_memory_ok(hw, 16 * n_train) if spec.profile.offloads else (False, "")
         if spec.profile.offloads:
             logger.info(f"pin_memory {'on' if pin else 'off'}: {why}")
+        swap = ""  # a swap folder of vramfit's (catalogue NVMe profiles); a user's deepspeed_config names its own
         if spec.user_ds is not None:  # deepspeed_config: the user's JSON, its "auto" filled like a profile's
             ds_config = user_ds_config.resolve(spec.user_ds, user_ds_config.run_values(
                 cfg, spec.precision, spec.micro_batch, spec.accumulation, spec.world, hidden_size, pin, lr))
@@ -38,17 +39,18 @@ def build(cfg, spec, model, hw: Hardware, hidden_size: int, lr: float):
                     logger.info(f"{k}.pin_memory {str(asked).lower()} as deepspeed_config asks (vramfit would choose "
                                 f"{'on' if pin else 'off'}: {why})")
         else:
+            swap = nvme_folder(cfg, spec)
             ds_config = resolve_ds_config(spec.profile, micro_batch=spec.micro_batch, accumulation=spec.accumulation,
                                           world=spec.world, grad_clip=t.grad_clip, lr=lr, betas=betas, eps=t.eps,
                                           weight_decay=t.weight_decay, hidden_size=hidden_size, pin_memory=pin,
                                           loss_scale=vars(cfg.loss_scale), trainable=n_train,
-                                          nvme_path=nvme_folder(cfg, spec),
+                                          nvme_path=swap,
                                           largest_param=max((p.numel() for p in model.parameters()), default=0))
         # No optimizer section: torch's fused AdamW as DeepSpeed's client optimizer (no op to compile)
         client = None if "optimizer" in ds_config else make_optimizer(groups, lr=lr, betas=betas, eps=t.eps,
                                                                       device=spec.device)
         return DeepSpeedEngine(model, ds_config=ds_config, param_groups=groups, device=spec.device,
-                               optimizer=client, levers=levers), ds_config
+                               optimizer=client, levers=levers, swap_folder=swap), ds_config
     if spec.engine == "fsdp":
         pin, why = pin_memory_ok(hw, 8 * n_train)  # the fp32 weight and gradient shards FSDP keeps on the CPU
         logger.info(f"pin_memory {'on' if pin else 'off'}: {why}")
@@ -60,16 +62,57 @@ def build(cfg, spec, model, hw: Hardware, hidden_size: int, lr: float):
                      levers=levers), None
 
 
+SWAP_PREFIX = "vramfit-swap-"
+
+
 def nvme_folder(cfg, spec) -> str:
-    """ZeRO-Infinity's swap folder: a run's own folder under ``memory.nvme_path`` (DeepSpeed writes one file per
-    swapped tensor in it and never deletes them; a folder of the run's keeps runs apart and is easy to remove)."""
+    """ZeRO-Infinity's swap folder: a new folder of this engine's under ``memory.nvme_path``
+    (``vramfit-swap-<pid>-<random>``). DeepSpeed writes a file per swapped tensor there and never deletes them,
+    and its checkpoints copy the whole folder, so each engine (an OOM ladder's rebuild is another) gets its own:
+    a checkpoint then holds only its engine's files. The engine removes it when it closes
+    (:meth:`DeepSpeedEngine.close`); folders left by processes that no longer run (killed) are removed here."""
     if not spec.profile.nvme:
         return ""
     import os
+    import tempfile
 
-    path = os.path.join(os.path.abspath(os.path.expanduser(cfg.memory.nvme_path)), f"vramfit-swap-{os.getpid()}")
-    os.makedirs(path, exist_ok=True)
-    return path
+    root = os.path.abspath(os.path.expanduser(cfg.memory.nvme_path))
+    remove_stale_swap_folders(root)
+    return tempfile.mkdtemp(prefix=f"{SWAP_PREFIX}{os.getpid()}-", dir=root)
+
+
+def remove_stale_swap_folders(root: str) -> list[str]:
+    """Remove the swap folders under ``root`` whose process is gone (a run killed before its engine closed):
+    gigabytes of scratch that would otherwise fill the disk run after run. Returns what was removed."""
+    import os
+    import shutil
+
+    from launcher.rundir import tree_bytes
+
+    removed = []
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        pid = name[len(SWAP_PREFIX):].split("-", 1)[0] if name.startswith(SWAP_PREFIX) else ""
+        path = os.path.join(root, name)
+        if not pid.isdigit() or not os.path.isdir(path) or os.path.islink(path) or _alive(int(pid)):
+            continue
+        size = tree_bytes(path)
+        shutil.rmtree(path, ignore_errors=True)
+        logger.info(f"removed {path} ({size / 2**30:.2f} GiB): the NVMe swap folder of a run that is no longer "
+                    f"running (process {pid})")
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def offload_pinning(spec, hw: Hardware) -> tuple[bool, str]:

@@ -9,6 +9,10 @@ boundary, so ``forward_backward`` calls it for the non-boundary micro-batches.
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+
 import torch
 
 from launcher import dist
@@ -41,6 +45,28 @@ def ops_loaded(ds_config: dict, device: torch.device) -> list[str]:
     return ops
 
 
+_SWAP_FOLDERS: set[str] = set()  # the swap folders of engines not closed yet: removed at exit if still there
+
+
+@atexit.register
+def _remove_swap_folders() -> None:
+    for folder in list(_SWAP_FOLDERS):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _number_parameters_from_zero() -> None:
+    """Number the next model's ZeRO-3 parameters from 0, as in a new process. DeepSpeed gives each parameter a
+    ``ds_id`` from a process-wide counter, and names its NVMe swap files after them (``0_38.tensor.swp``,
+    ``exp_avg-0_38.tensor.swp``); a checkpoint copies those files and a resume copies them back by name. An
+    engine built after another in one process (the OOM ladder's rebuild) would count on, write files that a
+    resume in a new process never reads, and train on from freshly initialized states without a word. The
+    counter is DeepSpeed's ``Init.param_id`` (deepspeed/runtime/zero/partition_parameters.py); the engine
+    before is closed by then, and ds_ids are only compared within one engine."""
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    Init.param_id = 0
+
+
 def optimizer_name(opt) -> str:
     inner = getattr(opt, "optimizer", opt)
     return type(inner).__name__
@@ -51,10 +77,12 @@ class DeepSpeedEngine:
     resets_in_place = False  # ZeRO keeps a half-accumulated step in its own buffers: the OOM ladder rebuilds
 
     def __init__(self, model: torch.nn.Module, *, ds_config: dict, param_groups: list[dict], device: torch.device,
-                 optimizer=None, levers: Levers | None = None):
+                 optimizer=None, levers: Levers | None = None, swap_folder: str = ""):
         """``optimizer``: (a torch optimizer over ``param_groups``, its name), DeepSpeed's client optimizer
         (the catalogue's profiles: torch's fused AdamW, no compiler needed); None: DeepSpeed builds the one
-        the config's ``optimizer`` section names (its FusedAdam or DeepSpeedCPUAdam ops)."""
+        the config's ``optimizer`` section names (its FusedAdam or DeepSpeedCPUAdam ops). ``swap_folder``: the
+        NVMe swap folder made for this engine (launcher.engines.nvme_folder), removed when it closes or, failing
+        that, when the process exits."""
         import deepspeed
 
         dist.ensure_env()
@@ -73,6 +101,12 @@ class DeepSpeedEngine:
         self.device = device
         self.levers = levers
         client, client_name = optimizer if optimizer is not None else (None, None)
+        self.swap_folder = swap_folder
+        if swap_folder:
+            _SWAP_FOLDERS.add(swap_folder)
+        zero = ds_config.get("zero_optimization", {})
+        if zero.get("stage") == 3 and (zero.get("offload_optimizer") or {}).get("device") == "nvme":
+            _number_parameters_from_zero()
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=None if client is not None else param_groups, optimizer=client,
             config=ds_config)
@@ -117,8 +151,11 @@ class DeepSpeedEngine:
 
     def close(self) -> None:
         """Release what DeepSpeed keeps beyond this object (hooks, optimizer buffers), so that the memory of
-        an engine being replaced (OOM ladder) is free before the next one is built."""
+        an engine being replaced (OOM ladder) is free before the next one is built; and its NVMe swap files."""
         self.engine.destroy()
+        if self.swap_folder:
+            shutil.rmtree(self.swap_folder, ignore_errors=True)
+            _SWAP_FOLDERS.discard(self.swap_folder)
 
     def portable_state(self) -> dict:
         """fp32 master weights and Adam moments by parameter name, on the CPU (to rebuild another engine)."""
@@ -169,17 +206,49 @@ class DeepSpeedEngine:
     def save(self, directory: str, client_state: dict) -> None:
         # Frozen parameters (a LoRA run's base) are left out: the model is rebuilt from the same base before a
         # resume, so the checkpoint holds the adapters, their fp32 master copies and Adam moments only.
-        self.engine.save_checkpoint(directory, tag="ds", client_state={"vramfit": client_state},
-                                    exclude_frozen_parameters=True)
+        extra = {"vramfit": client_state}
+        if self.engine.zero_nvme_offload_optimizer():
+            extra["vramfit_nvme"] = _resident_optimizer_state(self.optimizer)
+        self.engine.save_checkpoint(directory, tag="ds", client_state=extra, exclude_frozen_parameters=True)
 
     def load(self, directory: str) -> dict:
+        if self.engine.zero_nvme_offload_optimizer():
+            self._check_swapped_state(directory)
+            # Adam's state made now, swap-aware, so that DeepSpeed's swapper knows its files: the load below
+            # copies the checkpoint's over them and reads them back (a fresh engine makes its state only at its
+            # first step, which would write zero moments over the restored files)
+            _materialize_adam_state(self.optimizer)
         # not strict: the frozen base is not in the checkpoint, it is already in the model
         _path, client = self.engine.load_checkpoint(directory, tag="ds", load_optimizer_states=True,
                                                     load_lr_scheduler_states=False,
                                                     load_module_strict=not self._has_frozen())
         if client is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint in {directory}")
+        if self.engine.zero_nvme_offload_optimizer():
+            if "vramfit_nvme" not in client:
+                raise RuntimeError("it lacks the optimizer state that DeepSpeed's NVMe checkpoint leaves out (the "
+                                   "sub-groups kept in memory and Adam's step count): it was written by an older "
+                                   "vramfit, and resuming would train on from freshly initialized states")
+            _restore_resident_optimizer_state(self.optimizer, client["vramfit_nvme"])
         return client["vramfit"]
+
+    def _check_swapped_state(self, directory: str) -> None:
+        """With the optimizer on NVMe, a checkpoint's fp32 master and Adam moments are DeepSpeed's swap files,
+        copied back into the swap folder by name at load, and read from there by the names of this engine's
+        parameter groups: a file missing under this engine's name would leave that group as freshly
+        initialized, silently. Refuse such a checkpoint instead."""
+        rank = dist.current().local_rank if self.engine.use_node_local_storage() else self.engine.global_rank
+        folder = os.path.join(directory, "ds", "offloaded_tensors", f"rank{rank:02d}")
+        have = set(os.listdir(folder)) if os.path.isdir(folder) else set()
+        flat = self.optimizer.fp32_partitioned_groups_flat
+        groups = [t.ds_id for i, t in enumerate(flat) if self.optimizer._swappable_optimizer_subgroup(i)]
+        want = {f"{prefix}{g}.tensor.swp" for g in groups for prefix in ("", "exp_avg-", "exp_avg_sq-")}
+        missing = sorted(want - have)
+        if missing:
+            raise RuntimeError(f"its NVMe optimizer state ({folder}) lacks {', '.join(missing[:3])}"
+                               f"{' ...' if len(missing) > 3 else ''} of the {len(want)} files this engine reads "
+                               f"(it holds {len(have)}: {', '.join(sorted(have)[:3])}); resuming would train on from "
+                               "freshly initialized weights and moments")
 
     def _has_frozen(self) -> bool:
         return any(not p.requires_grad for p in self.engine.module.parameters())
@@ -199,6 +268,49 @@ def _has_optimizer_state(zero_optimizer) -> bool:
     return any(len(st) > 0 for st in inner.state.values())
 
 
+def _resident_optimizer_state(zero3) -> dict:
+    """What a ZeRO-3 checkpoint with the optimizer on NVMe leaves out, by sub-group: DeepSpeed saves the swap
+    files (the fp32 master and Adam moments of each sub-group large enough to swap) and at load skips its own
+    optimizer state file, so the sub-groups too small to swap (norm weights, biases), which stay in memory,
+    and Adam's step count of every sub-group, would come back as freshly initialized (0.19.8:
+    ``DeepSpeedEngine.load_checkpoint`` loads the ZeRO checkpoint only ``if not
+    self.zero_nvme_offload_optimizer()``). A few kB for a model of billions: kept in vramfit's client state."""
+    inner = zero3.optimizer
+    out = {}
+    for i, flat in enumerate(zero3.fp32_partitioned_groups_flat):
+        st = inner.state.get(flat, {})
+        step = st.get("step")
+        entry = {"step": step.detach().clone() if torch.is_tensor(step) else step}
+        if not zero3._swappable_optimizer_subgroup(i):
+            entry["fp32"] = flat.detach().clone()
+            entry.update({k: st[k].detach().clone() for k in ("exp_avg", "exp_avg_sq") if k in st})
+        out[i] = entry
+    return out
+
+
+def _restore_resident_optimizer_state(zero3, saved: dict) -> None:
+    """The inverse of :func:`_resident_optimizer_state`, after DeepSpeed's load has copied the swap files back;
+    then each resident sub-group's 16-bit weights are made from its fp32 master again, as DeepSpeed's load
+    does for the swapped ones (``reset_swap_buffers``)."""
+    flats = zero3.fp32_partitioned_groups_flat
+    if len(saved) != len(flats):
+        raise RuntimeError(f"its NVMe optimizer state has {len(saved)} sub-groups, this engine {len(flats)}")
+    inner = zero3.optimizer
+    for i, entry in saved.items():
+        flat, st = flats[i], inner.state[flats[i]]
+        if entry["step"] is not None:
+            st["step"] = entry["step"].to(st["step"].device) if torch.is_tensor(st.get("step")) else entry["step"]
+        if "fp32" in entry:
+            if entry["fp32"].shape != flat.shape:
+                raise RuntimeError(f"its sub-group {i} holds {entry['fp32'].numel()} values, this engine's "
+                                   f"{flat.numel()}")
+            flat.data.copy_(entry["fp32"])
+            for k in ("exp_avg", "exp_avg_sq"):
+                if k in entry:
+                    st[k].copy_(entry[k])
+            zero3._reassign_or_swap_out_partitioned_parameters(i)  # the 16-bit partition from the fp32 master
+
+
 def _materialize_adam_state(zero_optimizer) -> None:
     """Create Adam's state (zero moments) for every fp32 partition of a fresh engine, as its first step
     would: DeepSpeed creates optimizer state lazily, and a state that does not exist cannot be set."""
@@ -207,12 +319,19 @@ def _materialize_adam_state(zero_optimizer) -> None:
     # each sub-group's step); its state is keyed by those partitions. ZeRO-1/2 keep theirs in the groups.
     flat = getattr(zero_optimizer, "fp32_partitioned_groups_flat", None)
     tensors = list(flat) if flat is not None else [p for g in inner.param_groups for p in g["params"]]
-    for p in tensors:
+    # A sub-group whose state is swapped to NVMe holds no values between steps: it is swapped in around the
+    # state's making and out again, as a step does, which gives the swapper the state's files.
+    swapped = getattr(zero_optimizer, "_swappable_optimizer_subgroup", lambda i: False)
+    for i, p in enumerate(tensors):
         if len(inner.state.get(p, {})) == 0:
+            if flat is not None and swapped(i):
+                zero_optimizer._optimizer_states_and_gradient_swap_in(i)
             # torch's AdamW counts steps in a tensor (on the parameter's device when fused); DeepSpeed's in an int
             step = (torch.zeros((), dtype=torch.float32, device=p.device if inner.defaults.get("fused") else "cpu")
                     if isinstance(inner, torch.optim.AdamW) else 0)
             inner.state[p] = {"step": step, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+            if flat is not None and swapped(i):
+                zero_optimizer._optimizer_states_and_gradient_swap_out(i)
 
 
 def _link_optimizer_state(zero_optimizer) -> None:

@@ -62,3 +62,25 @@ def compare(a, b, name=""):
     mx, mean = max(rel), sum(rel) / len(rel)
     print(f"{name}: max rel diff {mx:.3e}, mean rel diff {mean:.3e} over {len(rel)} steps")
     return mx, mean
+
+
+def oom_hook(at_steps):
+    """Raise a fake CUDA OOM in the second micro-batch's forward of each step in ``at_steps`` (one per entry),
+    so that a half-accumulated step must be thrown away."""
+    pending = list(at_steps)
+
+    def before_step(step, engine):
+        if pending and pending[0] == step:
+            pending.pop(0)
+            calls = {"n": 0}
+
+            def pre(_mod, _args):
+                calls["n"] += 1
+                if calls["n"] == 2:
+                    handle.remove()
+                    raise torch.OutOfMemoryError("CUDA out of memory (injected by test)")
+
+            handle = engine.module().register_forward_pre_hook(pre)
+    from launcher.faults import Hooks
+
+    return Hooks(before_step=before_step)
