@@ -182,7 +182,7 @@ def run_gpu(args) -> dict:
                "checkpointing": ckpt}
         try:
             cfg = load_config(None, overrides)
-            p = planner.plan(cfg, hw, suggest=False)
+            p = planner.plan(cfg, hw, [profile])
             pp = p.get(profile)
             row.update(pred_tensor_bytes=pp.gpu_tensor_bytes, pred_gpu_bytes=pp.gpu_bytes, pred_cpu_bytes=pp.cpu_bytes,
                        pred_fits=pp.fits, pred_parts=pp.parts, pred_phase=pp.peak_phase)
@@ -190,10 +190,15 @@ def run_gpu(args) -> dict:
             row["plan_error"] = f"{type(e).__name__}: {e}"
         t = time.perf_counter()
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        proc = subprocess.run([sys.executable, "-m", "launcher", "train", *overrides], capture_output=True, text=True,
-                              cwd=ROOT, env=env, timeout=args.timeout)
+        try:
+            proc = subprocess.run([sys.executable, "-m", "launcher", "train", *overrides], capture_output=True,
+                                  text=True, cwd=ROOT, env=env, timeout=args.timeout)
+            row["returncode"], stderr = proc.returncode, proc.stderr
+        except subprocess.TimeoutExpired as e:  # one slow run is a row, not the end of the grid
+            row["returncode"] = None
+            stderr = (e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr) or ""
+            row["timeout_s"] = args.timeout
         row["train_s"] = round(time.perf_counter() - t, 1)
-        row["returncode"] = proc.returncode
         summary_path = os.path.join(runs_dir, name, "summary.json")
         if os.path.isfile(summary_path):
             s = json.load(open(summary_path))
@@ -202,8 +207,8 @@ def run_gpu(args) -> dict:
                        peak_cpu_rss_bytes=s.get("peak_cpu_rss_bytes"), summary_predicted_gpu_bytes=s.get("predicted_gpu_bytes"),
                        fallbacks=s.get("fallbacks"))
         else:
-            row["status"] = "no summary"
-            row["stderr_tail"] = proc.stderr[-2000:]
+            row["status"] = "timeout" if row.get("timeout_s") else "no summary"
+            row["stderr_tail"] = stderr[-2000:]
         row["tensor_err_pct"] = pct(row.get("pred_tensor_bytes"), row.get("peak_gpu_bytes"))
         if row.get("gpu_reserved"):
             from launcher.planner import CUDA_CONTEXT_BYTES
@@ -211,6 +216,8 @@ def run_gpu(args) -> dict:
             row["total_err_pct"] = pct(row.get("pred_gpu_bytes"), row["gpu_reserved"] + CUDA_CONTEXT_BYTES)
         row["cpu_err_pct"] = pct(row.get("pred_cpu_bytes"), row.get("peak_cpu_rss_bytes"))
         rows.append(row)
+        with open(os.path.join(args.out, "validate_planner.partial.json"), "w") as fh:  # what a stage cut short keeps
+            json.dump({"part": "gpu", "rows": rows}, fh, indent=2, default=str)
         print(f"{name}: predicted {mib(row.get('pred_tensor_bytes'))} MiB tensors, measured "
               f"{mib(row.get('peak_gpu_bytes'))} MiB ({fmt_pct(row['tensor_err_pct'])}), status {row.get('status')}",
               flush=True)
