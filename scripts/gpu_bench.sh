@@ -8,6 +8,7 @@
 #      next to the planner's prediction.
 # Everything goes to one folder ($OUT, else bench-out/gpu-DATE); a short table is printed last.
 #
+#   bash scripts/gpu_wheels.sh                # first, where packages can be downloaded: .whl/ for an offline host
 #   bash scripts/gpu_bench.sh                 # on the GPU host
 #   bash scripts/gpu_bench.sh --cpu-smoke     # or DEVICE=cpu: the same stages, shrunk, on a CPU (proves the script)
 #   STAGES="find_mb find_model" bash scripts/gpu_bench.sh   # a subset (names below); TOTAL_S=470: the time box
@@ -45,7 +46,7 @@ mkdir -p "$OUT"
 # the time box; a CPU smoke run on a small shared box is slower, so its stage caps stretch (CAPX)
 if [ "$SMOKE" = 1 ]; then TOTAL_S=${TOTAL_S:-1500}; CAPX=${CAPX:-3}; else TOTAL_S=${TOTAL_S:-470}; CAPX=${CAPX:-1}; fi
 STAGES=${STAGES:-"doctor ops tests card steptime find_mb equal_mb find_model card_24gb validate monitor"}
-DEADLINE=$((SECONDS + TOTAL_S))
+DEADLINE=$TOTAL_S  # bash's SECONDS counts from the script's start: the wheel install above is inside the box
 RESERVE=15  # seconds kept for the final table
 printf 'stage\tstatus\tseconds\tcap\n' > "$OUT/stages.tsv"
 
@@ -83,7 +84,7 @@ want() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 stage() {
   local name=$1 cap=$(($2 * CAPX)); shift 2
   want "$name" || return 0
-  local left=$((DEADLINE - SECONDS - RESERVE))
+  local left=$((DEADLINE - SECONDS - RESERVE - 15))  # timeout -k 15 may take 15 s more than the cap
   [ "$cap" -gt "$left" ] && cap=$left
   if [ "$cap" -lt 20 ]; then
     printf '%s\tskipped (time box)\t0\t%s\n' "$name" "$cap" >> "$OUT/stages.tsv"
@@ -100,7 +101,11 @@ stage() {
 }
 
 VF="$PY -m launcher"
-stage doctor 45 bash -c "$VF doctor && $VF doctor --json > '$OUT/doctor.json'"
+# what this host lacks of vramfit's imports (an offline host needs them in .whl/: scripts/gpu_wheels.sh)
+MISSING='import importlib.util as u; m = [n for n in ("deepspeed", "einops", "msgpack", "cpuinfo", "tensorboard",
+"omegaconf", "datasets", "xxhash", "pytest", "matplotlib") if u.find_spec(n) is None]; print("missing modules:",
+", ".join(m) or "none")'
+stage doctor 45 bash -c "$PY -c '$MISSING' && $VF doctor && $VF doctor --json > '$OUT/doctor.json'"
 # DeepSpeed's CPU Adam (offload profiles) is compiled on first use: do it once, time-boxed, before timing anything
 stage ops 150 $VF doctor --build-ops
 stage tests 90 $PY -m pytest -q $TESTS_ARGS tests -p no:cacheprovider --basetemp="$OUT/pytest-tmp"
