@@ -151,11 +151,33 @@ def test_every_second_layer_trains_on_every_engine(tmp_path, profile):
 
     if profile.startswith("zero") and not has_deepspeed():
         pytest.skip("DeepSpeed is not installed")
+    from launcher.checkpointing import _layers, checkpointed_layers
+    from launcher.faults import Hooks
+
+    seen = {}  # what the engine's model checkpoints, and how often each decoder layer ran
+
+    def watch(step, engine):
+        if step == 1:
+            model = engine.module()
+            seen["layers"] = checkpointed_layers(model)
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model
+            seen["calls"] = [0] * len(seen["layers"])
+            # the layer's first module: recompute runs it again (hooks on the layer itself stay outside the
+            # checkpoint, and torch stops a recompute once it has what backward needs, before the MLP's end)
+            for i, layer in enumerate(_layers(base)):
+                layer.input_layernorm.register_forward_hook(
+                    lambda *_, i=i: seen["calls"].__setitem__(i, seen["calls"][i] + 1))
+
     kw = [f"profile={profile}", "train.max_steps=3", "train.warmup_steps=1"]
     s, rows = run_inprocess(tmp_path, *kw, "model.gradient_checkpointing=true", "model.checkpoint_every=2",
-                            "run_name=every2")
+                            "run_name=every2", hooks=Hooks(before_step=watch))
     s0, rows0 = run_inprocess(tmp_path, *kw, "model.gradient_checkpointing=false", "run_name=plain")
     assert s["gradient_checkpointing"] and s["checkpoint_every"] == 2
+    n = len(seen["layers"])
+    assert n >= 2 and seen["layers"] == [i % 2 == 0 for i in range(n)], seen["layers"]
+    # a checkpointed layer runs its forward again in backward: twice as often as the one after it
+    assert all(seen["calls"][i] == 2 * seen["calls"][i + 1] > 0 for i in range(0, n - 1, 2)), seen["calls"]
+    assert len(rows) == len(rows0) == 3
     tol = 1e-5 if "fp32" in profile else 1e-2
     assert all(abs(a["loss"] - b["loss"]) <= tol * abs(b["loss"]) for a, b in zip(rows, rows0))
 
