@@ -293,10 +293,19 @@ def test_compiled_layers_train_like_plain_ones(tmp_path, engine):
     """model.compile=true on the CPU (inductor, about a minute of compilation on 2 cores): the same loss curve as
     the uncompiled model within 1e-3 relative (fused kernels reorder float arithmetic)."""
     from helpers import compare, losses
+    from launcher.faults import Hooks
+    from launcher.memory.shape import decoder_layers
+
+    compiled = []  # per run: whether each decoder layer of the engine's model is compiled (the curves agree anyway)
+
+    def look(step, engine):
+        if step == 1:
+            compiled.append([layer._compiled_call_impl is not None for layer in decoder_layers(engine.module())])
 
     run = [f"engine={engine}", "train.max_steps=6", "train.warmup_steps=2", "checkpoint.save=false"]
-    s, rows = run_inprocess(tmp_path, *run, "model.compile=true", "run_name=on")
-    _, ref = run_inprocess(tmp_path, *run, "run_name=off")
+    s, rows = run_inprocess(tmp_path, *run, "model.compile=true", "run_name=on", hooks=Hooks(before_step=look))
+    _, ref = run_inprocess(tmp_path, *run, "run_name=off", hooks=Hooks(before_step=look))
     assert s["status"] == "completed"
+    assert compiled[0] and all(compiled[0]) and not any(compiled[1]), compiled
     mx, _ = compare(losses(rows), losses(ref), f"{engine} compiled vs plain")
     assert mx < 1e-3
