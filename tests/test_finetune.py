@@ -73,16 +73,23 @@ def reload_adapter(model_dir, final):
     return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), final)
 
 
-@needs_deepspeed
-def test_lora_amp_and_deepspeed_then_reload_and_merge(hf, tmp_path):
-    """LoRA on AMP (with gradient checkpointing) and on DeepSpeed ZeRO-2 fp32: the same loss curve, the loss
-    falls, base weights stay bit-identical, the saved adapter reloads to the same logits, and the merged
-    export loads with plain transformers and gives base + adapter's logits."""
+@pytest.fixture(scope="module")
+def amp_lora(hf, tmp_path_factory):
+    """One LoRA run on AMP with gradient checkpointing: (summary, metrics rows, Capture)."""
+    cap = Capture()
+    a, ra = run_inprocess(tmp_path_factory.mktemp("amp"), *lora_args(hf, "engine=amp", "run_name=amp",
+                                                                      "model.gradient_checkpointing=true"),
+                          hooks=cap.hooks(), fast=False)
+    return a, ra, cap
+
+
+def test_lora_amp_then_reload_and_merge(hf, amp_lora, tmp_path):
+    """LoRA on AMP (with gradient checkpointing), with or without DeepSpeed installed: the loss falls, base
+    weights stay bit-identical, the saved adapter reloads to the same logits, and the merged export loads with
+    plain transformers and gives base + adapter's logits."""
     from launcher.export import export
 
-    cap = Capture()
-    a, ra = run_inprocess(tmp_path, *lora_args(hf, "engine=amp", "run_name=amp", "model.gradient_checkpointing=true"),
-                          hooks=cap.hooks(), fast=False)
+    a, ra, cap = amp_lora
     assert a["status"] == "completed" and a["engine"] == "amp"
     falls(ra)
     check_base_frozen(cap)
@@ -110,6 +117,11 @@ def test_lora_amp_and_deepspeed_then_reload_and_merge(hf, tmp_path):
         export(a["run_dir"], out, merge=True)
     assert "copied the LoRA adapter" in export(a["run_dir"], str(tmp_path / "adapter"))
 
+
+@needs_deepspeed
+def test_lora_deepspeed_follows_amp_and_reloads(hf, amp_lora, tmp_path):
+    """LoRA on DeepSpeed ZeRO-2 fp32: the AMP run's loss curve, the base frozen, the adapter reloads."""
+    _, ra, _ = amp_lora
     cap_ds = Capture()
     d, rd = run_inprocess(tmp_path, *lora_args(hf, "profile=zero2-fp32", "run_name=ds"), hooks=cap_ds.hooks(),
                           fast=False)
