@@ -150,24 +150,35 @@ def test_lora_zero3_offload_saves_the_gathered_adapter(hf, tmp_path):
     reload_adapter(hf[0], final)
 
 
-@pytest.fixture(params=[True, False], ids=["avx512bf16-cpu", "plain-cpu"])
-def bnb_cpu_kind(request, monkeypatch):
-    """Build bitsandbytes' 4-bit layers as on a CPU with AVX512-BF16 (where bitsandbytes repacks a layer for
-    its fused kernel at the first eval forward) or without, whatever CPU runs the test."""
+QLORA_KINDS = {"avx512bf16-cpu": True, "plain-cpu": False}
+
+
+@pytest.fixture(scope="module")
+def qlora_runs(hf, tmp_path_factory):
+    """The same QLoRA run with bitsandbytes' 4-bit layers built as on a CPU with AVX512-BF16 (where bitsandbytes
+    repacks a layer for its fused kernel at the first eval forward) and as on one without, whatever CPU runs
+    the test: kind -> (summary, metrics rows, Capture)."""
     import bitsandbytes.nn.modules as bnb_modules
 
-    monkeypatch.setattr(bnb_modules, "has_avx512bf16", lambda: request.param)
-    return request.param
+    runs = {}
+    for kind, avx in QLORA_KINDS.items():
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(bnb_modules, "has_avx512bf16", lambda avx=avx: avx)
+            cap = Capture()
+            s, rows = run_inprocess(tmp_path_factory.mktemp(kind), *lora_args(
+                hf, "model.quantize=4bit", "run_name=q4", "data.eval_fraction=0.2", "train.eval_every=3", steps=10),
+                hooks=cap.hooks(), fast=False)
+            runs[kind] = (s, rows, cap)
+    return runs
 
 
-def test_qlora_4bit(hf, tmp_path, bnb_cpu_kind):
+@pytest.mark.parametrize("kind", list(QLORA_KINDS))
+def test_qlora_4bit(hf, qlora_runs, kind):
     """QLoRA: NF4 base (Params4bit, uint8 storage) that stays unchanged, fp32 adapters that train. engine=auto
     picks AMP and says why. Evals in the middle of the run and the sample at the end run in eval mode without
     gradients, where bitsandbytes on an AVX512-BF16 CPU would repack the weights into a layout that has no
-    backward; vramfit keeps the plain layout, so both kinds of CPU give the same losses."""
-    cap = Capture()
-    s, rows = run_inprocess(tmp_path, *lora_args(hf, "model.quantize=4bit", "run_name=q4", "data.eval_fraction=0.2",
-                                                 "train.eval_every=3", steps=10), hooks=cap.hooks(), fast=False)
+    backward; vramfit keeps the plain layout."""
+    s, rows, cap = qlora_runs[kind]
     assert s["status"] == "completed" and s["sample"] is not None and s["sample_error"] is None
     assert s["engine"] == "amp" and any("AMP path only" in r for r in s["reasons"]), s["reasons"]
     falls(rows, by=0.2)
@@ -184,19 +195,17 @@ def test_qlora_4bit(hf, tmp_path, bnb_cpu_kind):
     assert adapters and all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
     assert all(p.dtype == torch.float32 for p in adapters)
     reload_adapter(hf[0], os.path.join(s["run_dir"], "final"))
-    QLORA_LOSSES[bnb_cpu_kind] = losses(rows)
-    if len(QLORA_LOSSES) == 2:  # the second kind of CPU: the same run, step for step
-        assert QLORA_LOSSES[True] == QLORA_LOSSES[False]
 
 
-QLORA_LOSSES: dict = {}
+def test_qlora_gives_the_same_losses_on_both_kinds_of_cpu(qlora_runs):
+    a, b = (losses(qlora_runs[k][1]) for k in QLORA_KINDS)
+    assert len(a) == 10 and a == b  # step for step
 
 
 def test_4bit_cpu_packed_layout_fits_the_test_models(hf):
     """bitsandbytes' AVX512-BF16 path repacks a 4-bit weight (pure torch, so it runs on any CPU): the test
     model's and the stand-in's layers have the shapes it needs (whole 64-weight blocks), and the round trip
-    gives the weight back bit for bit. Where the CPU has AVX512-BF16, the packed forward itself runs too and
-    agrees with the plain one within bf16 rounding."""
+    gives the weight back bit for bit (the packed forward: the next test, on CPUs that have AVX512-BF16)."""
     import bitsandbytes as bnb
     import bitsandbytes.functional as F
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -211,17 +220,42 @@ def test_4bit_cpu_packed_layout_fits_the_test_models(hf):
         for m in model.modules():
             if not isinstance(m, bnb.nn.Linear4bit):
                 continue
-            x = torch.randn(2, 3, m.in_features)
-            plain = m(x).detach()
             data, state = m.weight.data.clone(), m.weight.quant_state
             packed, state = F._convert_weight_packed_for_cpu(data, state)
-            if F.has_avx512bf16():
-                m.weight.data, m.weight.quant_state = packed, state
-                with torch.no_grad():
-                    torch.testing.assert_close(m.eval()(x), plain, atol=0.05, rtol=0.05)
-                packed = m.weight.data
             back, _ = F._convert_weight_packed_for_cpu_inverse(packed, state)
             assert torch.equal(back, data), f"{type(model).__name__}: the packed layout does not round-trip"
+
+
+def _has_avx512bf16() -> bool:
+    try:
+        import bitsandbytes.functional as F
+    except ImportError:
+        return False
+    return bool(F.has_avx512bf16())
+
+
+@pytest.mark.skipif(not _has_avx512bf16(), reason="this CPU has no AVX512-BF16: bitsandbytes' packed 4-bit kernel "
+                    "does not run here")
+def test_4bit_packed_forward_agrees_with_the_plain_one(hf):
+    """On a CPU with AVX512-BF16, a 4-bit layer repacked for bitsandbytes' fused kernel gives the plain layer's
+    output within bf16 rounding."""
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from launcher.quantize import quantize_in_place
+
+    model = AutoModelForCausalLM.from_pretrained(hf[0])
+    assert quantize_in_place(model, "4bit", "fp32", torch.device("cpu")) > 0
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers
+    for m in layers:
+        x = torch.randn(2, 3, m.in_features)
+        plain = m(x).detach()
+        m.weight.data, m.weight.quant_state = F._convert_weight_packed_for_cpu(m.weight.data.clone(),
+                                                                               m.weight.quant_state)
+        with torch.no_grad():
+            torch.testing.assert_close(m.eval()(x), plain, atol=0.05, rtol=0.05)
 
 
 def test_a_failing_sample_does_not_fail_the_run(hf, tmp_path, monkeypatch):
