@@ -127,9 +127,18 @@ def runs(tmp_path, model, *extra, engine="amp", records=None):
     common = [f"model.name={model}", f"data.source={src}", "data.seq_len=64", "train.max_steps=6",
               "train.warmup_steps=1", "train.micro_batch_size=4", "train.global_batch_size=8", "precision=fp32",
               f"engine={engine}", "sample_tokens=0", "checkpoint.save=false", *extra]
+    from launcher.data.tokens import TokenData
+
     out = {}
     for mode in ("true", "false"):
-        out[mode] = run_inprocess(tmp_path / "runs", *common, f"run_name={mode}", f"data.packing={mode}", fast=False)
+        calls = []  # batches laid out packed: equal losses say nothing of whether the run packed
+        packed = TokenData._packed
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(TokenData, "_packed",
+                       lambda self, *a, calls=calls, packed=packed, **k: calls.append(1) or packed(self, *a, **k))
+            out[mode] = run_inprocess(tmp_path / "runs", *common, f"run_name={mode}", f"data.packing={mode}",
+                                      fast=False)
+        assert bool(calls) is (mode == "true"), f"data.packing={mode}: {len(calls)} packed layouts"
     return out
 
 
