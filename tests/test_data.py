@@ -5,7 +5,6 @@ import json
 import os
 
 import pytest
-import torch
 
 from helpers.hf import make_model_dir, qa_records, write_jsonl
 from launcher.config import ConfigError, load_config
@@ -222,7 +221,7 @@ def test_sample_prompt_comes_from_the_data(model_dir, tmp_path):
         generate.prompt_ids(preset, None, None)
     assert generate.prompt_ids(load_config(None, ["sample_prompt=5 17 42"]), None, None) == [5, 17, 42]
     assert generate.prompt_ids(load_config(None, ["sample_tokens=0"]), tok, data) is None
-    assert isinstance(torch.tensor(ids), torch.Tensor)
+    assert ids and all(isinstance(i, int) for i in ids)  # token ids the sample can feed to the model
 
 
 @pytest.mark.parametrize("name,fmt", [("alpaca-mini.jsonl", "alpaca"), ("chat-mini.jsonl", "messages")])
