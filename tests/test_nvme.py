@@ -97,28 +97,31 @@ def test_doctor_names_the_async_io_op():
 
 def test_each_engine_gets_its_own_swap_folder_and_a_dead_runs_folder_goes(tmp_path):
     """DeepSpeed never deletes its swap files and its checkpoints copy the whole folder: each engine gets a new
-    folder (removed when it closes), and a folder whose process is gone (a killed run) is removed by the next
-    run; a running process's folder, and anything not named like ours, stays."""
+    folder (removed when it closes), and a folder whose process on this host is gone (a killed run) is removed by
+    the next run; a running process's folder, another host's (a shared disk), and anything not named like ours
+    stay."""
     import subprocess
     import sys
     from types import SimpleNamespace
 
-    from launcher.engines import SWAP_PREFIX, nvme_folder
+    from launcher.engines import SWAP_PREFIX, _host, nvme_folder
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead = int(gone.stdout)
-    for name in (f"{SWAP_PREFIX}{dead}", f"{SWAP_PREFIX}{dead}-abc", f"{SWAP_PREFIX}{os.getpid()}-mine",
-                 f"{SWAP_PREFIX}x1", "other"):
+    dead, here = int(gone.stdout), _host()
+    stale = f"{SWAP_PREFIX}{here}-{dead}-abc1_x"
+    kept = [f"{SWAP_PREFIX}{here}-{os.getpid()}-mine", f"{SWAP_PREFIX}other-host-{dead}-abc", f"{SWAP_PREFIX}{dead}",
+            f"{SWAP_PREFIX}x1", "other"]
+    for name in (stale, *kept):
         (tmp_path / name / "zero_stage_3").mkdir(parents=True)
         (tmp_path / name / "zero_stage_3" / "0_38.tensor.swp").write_bytes(b"x" * 4096)
-    (tmp_path / f"{SWAP_PREFIX}{dead}7").write_text("a file, not a folder")
+    (tmp_path / f"{SWAP_PREFIX}{here}-{dead}-file").write_text("a file, not a folder")
     cfg = SimpleNamespace(memory=SimpleNamespace(nvme_path=str(tmp_path)))
     spec = SimpleNamespace(profile=profiles.PROFILES["zero3-bf16-offload-nvme-opt"])
     first, second = nvme_folder(cfg, spec), nvme_folder(cfg, spec)
     assert first != second and os.path.dirname(first) == str(tmp_path)
-    assert os.path.basename(first).startswith(f"{SWAP_PREFIX}{os.getpid()}-")
+    assert os.path.basename(first).startswith(f"{SWAP_PREFIX}{here}-{os.getpid()}-")
     left = set(os.listdir(tmp_path)) - {os.path.basename(first), os.path.basename(second)}
-    assert left == {f"{SWAP_PREFIX}{os.getpid()}-mine", f"{SWAP_PREFIX}x1", "other", f"{SWAP_PREFIX}{dead}7"}
+    assert left == {*kept, f"{SWAP_PREFIX}{here}-{dead}-file"}
     assert nvme_folder(cfg, SimpleNamespace(profile=profiles.PROFILES["zero3-bf16-offload-all"])) == ""
 
 

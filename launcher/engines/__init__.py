@@ -67,10 +67,11 @@ SWAP_PREFIX = "vramfit-swap-"
 
 def nvme_folder(cfg, spec) -> str:
     """ZeRO-Infinity's swap folder: a new folder of this engine's under ``memory.nvme_path``
-    (``vramfit-swap-<pid>-<random>``). DeepSpeed writes a file per swapped tensor there and never deletes them,
-    and its checkpoints copy the whole folder, so each engine (an OOM ladder's rebuild is another) gets its own:
-    a checkpoint then holds only its engine's files. The engine removes it when it closes
-    (:meth:`DeepSpeedEngine.close`); folders left by processes that no longer run (killed) are removed here."""
+    (``vramfit-swap-<host>-<pid>-<random>``). DeepSpeed writes a file per swapped tensor there and never deletes
+    them, and its checkpoints copy the whole folder, so each engine (an OOM ladder's rebuild is another) gets its
+    own: a checkpoint then holds only its engine's files. The engine removes it when it closes
+    (:meth:`DeepSpeedEngine.close`); folders left by processes of this host that no longer run (killed) are
+    removed here."""
     if not spec.profile.nvme:
         return ""
     import os
@@ -78,12 +79,20 @@ def nvme_folder(cfg, spec) -> str:
 
     root = os.path.abspath(os.path.expanduser(cfg.memory.nvme_path))
     remove_stale_swap_folders(root)
-    return tempfile.mkdtemp(prefix=f"{SWAP_PREFIX}{os.getpid()}-", dir=root)
+    return tempfile.mkdtemp(prefix=f"{SWAP_PREFIX}{_host()}-{os.getpid()}-", dir=root)
+
+
+def _host() -> str:
+    import socket
+
+    return socket.gethostname().replace("/", "_") or "host"
 
 
 def remove_stale_swap_folders(root: str) -> list[str]:
-    """Remove the swap folders under ``root`` whose process is gone (a run killed before its engine closed):
-    gigabytes of scratch that would otherwise fill the disk run after run. Returns what was removed."""
+    """Remove the swap folders under ``root`` that this host's processes made and that are gone (a run killed
+    before its engine closed): gigabytes of scratch that would otherwise fill the disk run after run. Only this
+    host's: a disk mounted in several containers or machines holds folders whose process IDs mean nothing
+    here. Returns what was removed."""
     import os
     import shutil
 
@@ -91,9 +100,11 @@ def remove_stale_swap_folders(root: str) -> list[str]:
 
     removed = []
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-        pid = name[len(SWAP_PREFIX):].split("-", 1)[0] if name.startswith(SWAP_PREFIX) else ""
+        host, pid, _ = (name[len(SWAP_PREFIX):].rsplit("-", 2) + ["", "", ""])[:3] if name.startswith(
+            SWAP_PREFIX) and name.count("-") >= 4 else ("", "", "")
         path = os.path.join(root, name)
-        if not pid.isdigit() or not os.path.isdir(path) or os.path.islink(path) or _alive(int(pid)):
+        if (host != _host() or not pid.isdigit() or not os.path.isdir(path) or os.path.islink(path)
+                or _alive(int(pid))):
             continue
         size = tree_bytes(path)
         shutil.rmtree(path, ignore_errors=True)
