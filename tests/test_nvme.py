@@ -214,3 +214,25 @@ def test_a_checkpoint_missing_swap_files_is_refused_and_a_ladder_moves_onto_nvme
     _, ref = run_inprocess(tmp_path, *base, "run_name=ref")
     assert losses(rows) == losses(ref)  # measured identical
     assert os.listdir(nv) == []
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@needs_deepspeed
+@needs_aio
+def test_an_oom_on_nvme_rebuilds_the_engine_with_its_swapped_state(tmp_path):
+    """The OOM ladder on an NVMe profile halves the micro-batch by rebuilding the engine from the old one's state
+    (read through DeepSpeed's swapper) into a new one's (made swap-aware): the run follows one that used the
+    smaller micro-batch from the start."""
+    from helpers import oom_hook
+
+    nv = tmp_path / "nvme"
+    nv.mkdir()
+    base = [*QUIET, "profile=zero3-bf16-offload-nvme-opt", "train.global_batch_size=8", "train.max_steps=6",
+            "train.warmup_steps=2", f"memory.nvme_path={nv}", "checkpoint.save=false"]
+    s, rows = run_inprocess(tmp_path, *base, "train.micro_batch_size=4", "run_name=oom", hooks=oom_hook([3]))
+    assert s["status"] == "completed" and [r["micro_batch"] for r in rows] == [4, 4, 4, 2, 2, 2]
+    _, ref = run_inprocess(tmp_path, *base, "train.micro_batch_size=2", "run_name=ref")
+    mx, _ = compare(losses(rows), losses(ref), "NVMe OOM ladder vs micro-batch 2 from the start")
+    assert mx < 1e-3  # bf16, micro-batch 4 x 2 vs 2 x 4 for the first three steps: 3.7e-4 measured
+    assert os.listdir(nv) == []
