@@ -25,7 +25,7 @@ import torch
 from launcher import user_ds_config
 from launcher.config import AUTO, Config, ConfigError
 from launcher.hardware import Hardware
-from launcher.precision import PRECISIONS
+from launcher.precision import PRECISIONS, deepspeed_runs_fp16
 from launcher.profiles import PROFILES, Profile
 
 ENGINE_PREFERENCE = ("deepspeed", "amp", "fsdp")  # equal speed rank: DeepSpeed first (fused ops, tested most)
@@ -81,8 +81,8 @@ def profile_problem(p: Profile, cfg: Config, hw: Hardware, device: torch.device)
     if p.engine == "deepspeed":
         if hw.deepspeed is None:
             return f"DeepSpeed {hw.deepspeed_error or 'is not installed'}"
-        if device.type == "cpu" and p.precision == "fp16":
-            return "DeepSpeed refuses fp16 on the CPU"
+        if p.precision == "fp16" and not deepspeed_runs_fp16(device.type):
+            return f"DeepSpeed refuses fp16 on the {device.type.upper()}"
     if p.engine != "amp":
         if cfg.model.quantize != "none":
             return f"model.quantize={cfg.model.quantize} (bitsandbytes) runs on the AMP path only"

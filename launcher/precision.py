@@ -33,3 +33,16 @@ def supports_bf16(capability: tuple[int, int]) -> bool:
 
 def supports_fp16(capability: tuple[int, int]) -> bool:
     return capability[0] >= 6
+
+
+# Device types whose DeepSpeed accelerator trains in fp16. Its CPU accelerator refuses fp16
+# (``is_fp16_supported()`` is False in 0.19), so the fp16 profiles run on a GPU only. The tests that run them on
+# the CPU widen this together with the accelerator's check (tests/conftest.py, ``deepspeed_fp16_on_cpu``); it
+# says nothing of speed: a CPU computes fp16 no faster than fp32.
+DEEPSPEED_FP16_DEVICES = ("cuda",)
+
+
+def deepspeed_runs_fp16(device_type: str) -> bool:
+    """Whether DeepSpeed trains in fp16 on this kind of device (the one rule availability and a user's
+    deepspeed_config are checked by)."""
+    return device_type in DEEPSPEED_FP16_DEVICES

@@ -26,7 +26,7 @@ from launcher.units import MiB
 
 SUMMARY_KEYS = ("status", "engine", "profile", "precision", "device", "steps", "first_loss", "final_loss",
                 "tokens_per_s", "peak_gpu_bytes", "peak_cpu_rss_bytes", "predicted_gpu_bytes",
-                "predicted_cpu_bytes", "skipped_steps", "fallbacks", "resumed_from")
+                "predicted_cpu_bytes", "skipped_steps", "loss_scale", "fallbacks", "resumed_from")
 METRIC_KEYS = ("step", "loss", "lr", "loss_scale", "skipped", "grad_norm", "tokens", "tokens_per_s",
                "gpu_allocated_bytes", "gpu_reserved_bytes", "cpu_rss_bytes", "time_s")
 LOCK = "vramfit.lock"

@@ -284,13 +284,13 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.E
                                      "step": st.step + 1})
                 new_spec = spec.at(move.to)
                 if move.kind == "profile" or not engine.resets_in_place:  # rebuild from the last state
-                    state = engine.portable_state()
+                    state, scale_state = engine.portable_state(), engine.loss_scale_state()
                     engine.close()  # DeepSpeed keeps references (hooks) that would outlive the object
                     mon.unwatch()
                     engine = model = None
                     free_memory(device)
-                    engine, model = make_engine(cfg, new_spec, hw, hf_config, rd, state, last_scale)
-                    engine.load_portable_state(state, st.step - st.skipped)
+                    engine, model = make_engine(cfg, new_spec, hw, hf_config, rd, state)
+                    engine.load_portable_state(state, st.step - st.skipped, scale_state)
                     del state
                 else:
                     engine.reset_micro_batch(move.to.micro_batch, move.to.accumulation)
@@ -393,7 +393,7 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.E
         "peak_gpu_init_bytes": init_peak_gpu,
         "predicted_gpu_bytes": spec.predicted("gpu_bytes"), "predicted_cpu_bytes": spec.predicted("cpu_bytes"),
         "predicted_gpu_tensor_bytes": spec.predicted("gpu_tensor_bytes"),
-        "skipped_steps": st.skipped, "fallbacks": st.fallbacks, "resumed_from": st.resumed_from,
+        "skipped_steps": st.skipped, "loss_scale": last_scale, "fallbacks": st.fallbacks, "resumed_from": st.resumed_from,
         "optimizer": engine.optimizer_name, "micro_batch": spec.micro_batch, "accumulation": spec.accumulation,
         "gradient_checkpointing": spec.checkpointing, "checkpoint_every": spec.checkpoint_every,
         "world_size": ranks.world, "predicted_step_s": spec.predicted("step_s"),
@@ -509,14 +509,9 @@ def _resume_point(cfg: Config, rd: RunDir, explicit: bool) -> tuple[str | None, 
     return found, damaged
 
 
-def make_engine(cfg: Config, spec: RunSpec, hw: Hardware, hf_config, rd: RunDir, state: dict | None = None,
-                loss_scale: float | None = None):
+def make_engine(cfg: Config, spec: RunSpec, hw: Hardware, hf_config, rd: RunDir, state: dict | None = None):
     """A model and engine for ``spec``. With ``state`` (portable_state of the engine it replaces), the weights
-    go into the model before the engine wraps it, so low-precision copies are made from them; ``loss_scale``:
-    the fp16 scale the replaced engine had reached (scales are powers of two), so the new one does not start
-    again at 2**initial_power and skip steps finding it."""
-    if loss_scale:
-        cfg = replace(cfg, loss_scale=replace(cfg.loss_scale, initial_power=max(0, round(math.log2(loss_scale)))))
+    go into the model before the engine wraps it, so low-precision copies are made from them."""
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, weight_dtype(cfg, spec.engine, spec.precision), hf_config, device=spec.device,
                         precision=spec.precision, checkpointing=spec.checkpointing,

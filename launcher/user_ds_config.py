@@ -52,6 +52,7 @@ from dataclasses import dataclass
 
 from launcher import dist
 from launcher.config import AUTO, Config, ConfigError, read_deepspeed_json
+from launcher.precision import deepspeed_runs_fp16
 from launcher.profiles import AUTO_PATHS, Profile, RunValues, fill_auto, find_auto
 
 SOURCE = "deepspeed_config"
@@ -362,7 +363,7 @@ def decide_precision(raw: dict, cfg: Config, vramfit: tuple[str, str], device_ty
             problems.append(f"{SOURCE} {prec}.enabled: got false, but vramfit resolves precision {prec} ({why}); rule: "
                             "the JSON may not switch off the precision the run uses; fix: \"enabled\": \"auto\", "
                             f"or precision={'fp32' if prec != 'fp32' else 'bf16'}")
-    if prec == "fp16" and device_type == "cpu":
+    if prec == "fp16" and not deepspeed_runs_fp16(device_type):
         problems.append(f"{SOURCE} fp16.enabled: got true on the CPU; rule: DeepSpeed refuses fp16 on the CPU; fix: "
                         "\"fp16\": {\"enabled\": \"auto\"}, or \"bf16\": {\"enabled\": true} (bf16 runs on the CPU)"
                         if explicit else

@@ -58,3 +58,23 @@ def no_deepspeed_path(tmp_path):
     d.mkdir()
     (d / "sitecustomize.py").write_text("import sys\nsys.modules['deepspeed'] = None\n")
     return str(d)
+
+
+@pytest.fixture(scope="module")
+def deepspeed_fp16_on_cpu():
+    """Let DeepSpeed train its fp16 profiles on the CPU, for the tests of this module only: its CPU accelerator
+    refuses fp16 (``is_fp16_supported()`` is False), and vramfit says so before a run (launcher.precision). Both
+    checks are widened together, so the fp16 path runs as on a GPU: the loss scaler, overflow detection, skipped
+    steps, checkpoints. Nothing of the product changes: a CPU computes fp16 no faster than fp32."""
+    from helpers import has_deepspeed
+
+    if not has_deepspeed():
+        pytest.skip("DeepSpeed is not installed: its fp16 profiles are not checked")
+    from deepspeed.accelerator import get_accelerator
+
+    import launcher.precision
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(get_accelerator(), "is_fp16_supported", lambda: True)
+        mp.setattr(launcher.precision, "DEEPSPEED_FP16_DEVICES", ("cuda", "cpu"))
+        yield

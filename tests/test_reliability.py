@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from helpers import FAST, ROOT, compare, losses, needs_deepspeed, oom_hook, run_inprocess
+from helpers.procs import metrics_steps, started, vramfit
 from launcher.config import ConfigError
 from launcher.faults import Hooks
 from launcher.ladder import Rung, next_move
@@ -49,22 +50,14 @@ def test_sigterm_then_resume_matches_uninterrupted(tmp_path, profile, tol):
     assert mx <= tol
 
 
-def _wait_for_metrics(path, deadline_s=120):
-    deadline = time.time() + deadline_s
-    while not (path.exists() and path.stat().st_size > 0) and time.time() < deadline:
-        time.sleep(0.2)
-
-
 def test_cli_sigterm_saves_and_exits_130(tmp_path):
     """From the command line: SIGTERM -> finish the step, checkpoint, summary 'interrupted', exit code 130."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    p = subprocess.Popen([sys.executable, "-m", "launcher", "train", *FAST, "engine=amp", "train.max_steps=100000",
-                          f"output_dir={tmp_path}", "run_name=one"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
-    _wait_for_metrics(tmp_path / "one" / "metrics.jsonl")
-    p.send_signal(signal.SIGTERM)
-    out, _ = p.communicate(timeout=120)
-    assert p.returncode == 130, out[-2000:]
+    args = vramfit("train", *FAST, "engine=amp", "train.max_steps=100000", f"output_dir={tmp_path}", "run_name=one")
+    with started(args, str(tmp_path / "run.log")) as p:
+        p.wait_until(lambda: metrics_steps(tmp_path / "one") > 0, "first step")
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(120) == 130, p.output()[-2000:]
+        out = p.output()
     s = json.load(open(tmp_path / "one" / "summary.json"))
     assert s["status"] == "interrupted" and os.path.isdir(s["checkpoint"]) and "SIGTERM" in out
 
@@ -84,17 +77,14 @@ def test_second_signal_exits_at_once(tmp_path):
     """A second SIGINT while the first one's checkpoint is being written exits at once (130), leaving no
     summary and no checkpoint marked complete."""
     overrides = [*FAST, "engine=amp", "train.max_steps=100000", "device=cpu", f"output_dir={tmp_path}", "run_name=two"]
-    p = subprocess.Popen([sys.executable, "-c", SLOW_SAVE_SCRIPT.format(root=ROOT, overrides=overrides)],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    _wait_for_metrics(tmp_path / "two" / "metrics.jsonl")
-    p.send_signal(signal.SIGINT)
-    for line in p.stdout:  # wait until the first signal's checkpoint write has started
-        if "SAVING" in line:
-            break
-    t = time.time()
-    p.send_signal(signal.SIGINT)
-    p.wait(timeout=30)
-    assert p.returncode == 130 and time.time() - t < 10
+    with started([sys.executable, "-c", SLOW_SAVE_SCRIPT.format(root=ROOT, overrides=overrides)],
+                 str(tmp_path / "run.log")) as p:
+        p.wait_until(lambda: metrics_steps(tmp_path / "two") > 0, "first step")
+        p.send_signal(signal.SIGINT)
+        p.wait_until(lambda: "SAVING" in p.output(), "the first signal's checkpoint write")
+        t = time.time()
+        p.send_signal(signal.SIGINT)
+        assert p.wait(30) == 130 and time.time() - t < 10, p.output()[-2000:]
     assert not (tmp_path / "two" / "summary.json").exists()
     left = os.listdir(tmp_path / "two" / "checkpoints")
     assert left and all(n.endswith(".tmp") for n in left), left  # the interrupted write, never marked complete
@@ -228,14 +218,15 @@ def poison_grads_from(step0, name="model.layers.1.mlp.down_proj.weight"):
 
 
 def test_fp16_overflow_trajectory_then_stop_with_diagnosis(tmp_path):
-    """AMP fp16 + GradScaler on CPU. Scale starts at 2**4 = 16; from step 3 on every step overflows, so the
-    scale halves each step to the floor of 1 and stays; after 3 overflows at the floor (patience) the run
-    stops: status failed, a checkpoint, and a diagnosis naming the poisoned parameter."""
+    """AMP fp16 + GradScaler on CPU. Scale starts at 2**4 = 16; from step 3 on every step overflows: the first
+    overflow uses up the hysteresis (2), then the scale halves each step to the floor of 1 and stays; after 3
+    overflows at the floor (patience) the run stops: status failed, a checkpoint, and a diagnosis naming the
+    poisoned parameter. (DeepSpeed fp16 does the same: tests/test_fp16.py.)"""
     s, rows = run_inprocess(tmp_path, "profile=amp-fp16", "run_name=of", "loss_scale.initial_power=4",
                             "loss_scale.patience=3", "train.max_steps=50", hooks=poison_grads_from(2))
-    assert [r["loss_scale"] for r in rows] == [16, 16, 8, 4, 2, 1, 1, 1]
-    assert [r["skipped"] for r in rows] == [False, False] + [True] * 6
-    assert s["status"] == "failed" and s["skipped_steps"] == 6 and s["steps"] == 8
+    assert [r["loss_scale"] for r in rows] == [16, 16, 16, 8, 4, 2, 1, 1, 1]
+    assert [r["skipped"] for r in rows] == [False, False] + [True] * 7
+    assert s["status"] == "failed" and s["skipped_steps"] == 7 and s["steps"] == 9
     assert os.path.isdir(s["checkpoint"])
     assert "minimum loss scale" in s["diagnosis"] and "model.layers.1.mlp.down_proj.weight" in s["diagnosis"]
     assert "bf16" in s["diagnosis"] and "lr" in s["diagnosis"]
@@ -246,7 +237,7 @@ def test_fp16_isolated_overflow_skips_and_recovers(tmp_path):
     hooks = Hooks(after_backward=lambda step, eng: step == 3 and dict(eng.module().named_parameters())[
         "lm_head.weight"].grad.view(-1).__setitem__(0, float("nan")))
     s, rows = run_inprocess(tmp_path, "profile=amp-fp16", "run_name=one", "loss_scale.initial_power=8",
-                            "train.max_steps=8", hooks=hooks)
+                            "loss_scale.hysteresis=1", "train.max_steps=8", hooks=hooks)
     assert s["status"] == "completed" and s["skipped_steps"] == 1
     assert [r["loss_scale"] for r in rows] == [256, 256, 256, 128, 128, 128, 128, 128]
 

@@ -103,16 +103,3 @@ def test_existing_run_is_never_overwritten(tmp_path):
 
     with pytest.raises(ConfigError, match="already completed 3 steps"):
         run_inprocess(tmp_path, "engine=amp", "run_name=x", "train.max_steps=3", "train.warmup_steps=1")
-
-
-@pytest.mark.gpu
-@needs_deepspeed
-def test_fp16_deepspeed_on_gpu(tmp_path):
-    from helpers import FAST
-    from launcher.config import load_config
-    from launcher.train import train
-
-    cfg = load_config(None, [*FAST, f"output_dir={tmp_path}", "profile=zero2-fp16", "run_name=g"])
-    s = train(cfg)
-    assert s["status"] == "completed" and s["final_loss"] < s["first_loss"]
-    assert s["peak_gpu_bytes"] > 0

@@ -1,26 +1,26 @@
 """The plain torch path: fp32 master weights, ``torch.autocast`` in fp16/bf16, ``GradScaler`` for fp16.
 
-One mixed-precision branch: the scaler is enabled only for fp16 and uses the same numbers as the
-DeepSpeed fp16 profiles (init 2**16, growth interval 1000, backoff 0.5).
+One mixed-precision branch: the loss scaler is enabled only for fp16, and its scale moves by the DeepSpeed fp16
+profiles' rule from the same ``loss_scale.*`` keys (init 2**16, window 1000, hysteresis 2, halved on overflow:
+:class:`launcher.engines.base.LossScaler`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 
 import torch
 
 from launcher.engines.base import (
     Levers,
+    LossScaler,
     StepResult,
     autocast_dtype,
     batch_to,
     forward_loss,
     make_optimizer,
-    make_scaler,
-    skip_nonfinite,
+    torch_step,
 )
 from launcher.models import save_final
 
@@ -47,8 +47,7 @@ class AmpEngine:
         self.params = [p for g in param_groups for p in g["params"]]
         self.optimizer, self.optimizer_name = make_optimizer(param_groups, lr=lr, betas=betas, eps=eps, device=device,
                                                              kind=optimizer)
-        self.scaler = make_scaler(device, precision, loss_scale)
-        self.min_scale = float(loss_scale.min_scale)
+        self.scaler = LossScaler(device, precision, loss_scale)
         self.grad_clip = grad_clip
         self.nonfinite: list[str] = []  # parameters whose gradients held inf/nan at the last overflow
 
@@ -69,32 +68,11 @@ class AmpEngine:
             g["lr"] = lr
         self.scaler.unscale_(self.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip if self.grad_clip > 0 else float("inf"))
-        if not self.scaler.is_enabled():  # bf16/fp32: inf/nan gradients skip the update, on the device
-            bad = skip_nonfinite(self.optimizer, norm)
-            if bad is None:  # an optimizer without found_inf (8-bit AdamW): read the norm here
-                bad = not math.isfinite(float(norm))
-                if not bad:
-                    self.optimizer.step()
-            else:
-                self.optimizer.step()
-                self.optimizer.found_inf = None
-            self.optimizer.zero_grad(set_to_none=True)
-            self._micro = 0
-            return StepResult(skipped=bad, loss_scale=None, grad_norm=norm.detach())
-        norm = float(norm)  # fp16: the scaler reads its overflow flag and scale on the host anyway
-        scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
-        if not math.isfinite(norm):
-            self.nonfinite = [n for n, p in self.model.named_parameters()
-                              if p.grad is not None and not torch.isfinite(p.grad).all()]
-        self.scaler.step(self.optimizer)  # skipped by the scaler when grads hold inf/nan
-        self.scaler.update()
-        if self.scaler.is_enabled() and self.scaler.get_scale() < self.min_scale:
-            self.scaler.update(self.min_scale)  # same floor as DeepSpeed's min_loss_scale
-        self.optimizer.zero_grad(set_to_none=True)
+        result, bad = torch_step(self.optimizer, self.scaler, norm, lambda: [
+            n for n, p in self.model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()])
+        self.nonfinite = bad or self.nonfinite
         self._micro = 0
-        skipped = scale is not None and not math.isfinite(norm)
-        return StepResult(skipped=skipped, loss_scale=self.scaler.get_scale() if scale is not None else None,
-                          grad_norm=norm)
+        return result
 
     def reset_micro_batch(self, micro_batch: int, accumulation: int) -> None:
         """Drop a partly accumulated step (after an OOM); micro-batch size is the loop's business here."""
@@ -113,7 +91,11 @@ class AmpEngine:
                              **{k: st[k].detach().float().cpu() for k in ("exp_avg", "exp_avg_sq") if k in st}}
         return out
 
-    def load_portable_state(self, state: dict, step: int) -> None:
+    def loss_scale_state(self) -> dict | None:
+        return self.scaler.portable()
+
+    def load_portable_state(self, state: dict, step: int, loss_scale: dict | None = None) -> None:
+        self.scaler.load_portable(loss_scale)
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 if name in state:

@@ -9,6 +9,7 @@ mixed precision and loss scaling.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -93,9 +94,14 @@ class Engine(Protocol):
     def close(self) -> None:
         """Release what would outlive the object (library hooks, buffers) before it is replaced."""
 
-    def load_portable_state(self, state: dict, step: int) -> None:
+    def loss_scale_state(self) -> dict | None:
+        """The fp16 loss scale and where its rule stands (:class:`ScaleRule`'s fields), None without fp16."""
+
+    def load_portable_state(self, state: dict, step: int, loss_scale: dict | None = None) -> None:
         """Put ``portable_state`` into a fresh engine (whose model already holds the weights); ``step``
-        is the number of optimizer updates done (Adam's bias correction)."""
+        is the number of optimizer updates done (Adam's bias correction); ``loss_scale``: the replaced engine's
+        :meth:`loss_scale_state`, so the new one goes on from the same scale, hysteresis and growth window
+        instead of starting again at 2**initial_power and skipping steps to find it."""
 
 
 @dataclass(frozen=True)
@@ -148,7 +154,134 @@ def make_optimizer(params_or_groups, *, lr: float, betas, eps: float, device: to
         return torch.optim.AdamW(params_or_groups, lr=lr, betas=betas, eps=eps, foreach=True), "torch.optim.AdamW(foreach=True)"
 
 
-def make_scaler(device: torch.device, precision: str, loss_scale) -> torch.amp.GradScaler:
-    return torch.amp.GradScaler(device.type, init_scale=2.0 ** loss_scale.initial_power, growth_factor=2.0,
-                                backoff_factor=0.5, growth_interval=loss_scale.window,
-                                enabled=precision == "fp16")
+class LossScaler:
+    """fp16 dynamic loss scaling for the torch engines (AMP, FSDP), with the scale moving by DeepSpeed's rule.
+
+    ``torch.amp.GradScaler`` does the work (scale the loss, unscale the gradients with its fused inf/nan check,
+    skip the update when one held inf/nan); the scale it uses next is set here after every step, by the rule
+    of DeepSpeed's ``DynamicLossScaler.update_scale`` (deepspeed/runtime/fp16/loss_scaler.py, 0.19), so that
+    the same ``loss_scale.*`` keys give the same scale, step by step, on every engine (tests/test_fp16.py):
+
+    - an overflow skips the update; the scale halves (never below ``min_scale``) only once the hysteresis is
+      used up: with ``hysteresis`` h, the first h - 1 overflows after a start or a growth only count down;
+    - the scale doubles after ``window`` + 1 steps in a row without an overflow (counted from the last overflow,
+      or from the start), then every ``window`` steps; each growth refills the hysteresis.
+
+    GradScaler's own rule differs on both: it halves at every overflow and doubles after ``growth_interval``
+    clean steps, one step earlier than DeepSpeed. Disabled (bf16, fp32) it scales nothing and reports no scale.
+    """
+
+    def __init__(self, device: torch.device, precision: str, loss_scale):
+        self.enabled = precision == "fp16"
+        self.device_type = device.type
+        self.torch = torch.amp.GradScaler(device.type, init_scale=2.0 ** loss_scale.initial_power,
+                                          enabled=self.enabled)
+        self.rule = ScaleRule(2.0 ** loss_scale.initial_power, loss_scale.window, loss_scale.hysteresis,
+                              float(loss_scale.min_scale))
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.torch.scale(loss)
+
+    def unscale_(self, optimizer) -> None:
+        self.torch.unscale_(optimizer)
+
+    def step(self, optimizer, overflow: bool) -> None:
+        """The update (GradScaler skips it when the unscaled gradients held inf/nan), then the next scale."""
+        self.torch.step(optimizer)
+        self.torch.update(self.rule.update(overflow))
+
+    def get_scale(self) -> float | None:
+        return self.rule.scale if self.enabled else None
+
+    def portable(self) -> dict | None:
+        """The rule's state for another engine (the OOM ladder), None when not scaling."""
+        return self.rule.state_dict() if self.enabled else None
+
+    def load_portable(self, state: dict | None) -> None:
+        """Go on from another engine's scale (before this engine's first step)."""
+        if state is not None and self.enabled:
+            self.rule.load_state_dict(state)
+            self.torch = torch.amp.GradScaler(self.device_type, init_scale=self.rule.scale, enabled=True)
+
+    def state_dict(self) -> dict:
+        return {"torch": self.torch.state_dict(), "rule": self.rule.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Also GradScaler's own state alone (checkpoints written before the rule was kept): the rule then
+        goes on from that scale with a full hysteresis and a new window."""
+        if "rule" not in state:
+            self.torch.load_state_dict(state)
+            if self.enabled:
+                self.rule = ScaleRule(float(state.get("scale", self.rule.scale)), self.rule.window,
+                                      self.rule.hysteresis, self.rule.min_scale)
+            return
+        self.torch.load_state_dict(state["torch"])
+        self.rule.load_state_dict(state["rule"])
+
+
+@dataclass
+class ScaleRule:
+    """DeepSpeed's dynamic loss-scale rule (see :class:`LossScaler`) as plain numbers: no tensors, no torch."""
+
+    scale: float
+    window: int
+    hysteresis: int
+    min_scale: float
+    iteration: int = 0  # DeepSpeed's cur_iter: steps taken
+    last_overflow: int = -1  # DeepSpeed's last_overflow_iter
+    hysteresis_left: int | None = None  # DeepSpeed's cur_hysteresis
+
+    def __post_init__(self):
+        if self.hysteresis_left is None:
+            self.hysteresis_left = self.hysteresis
+
+    def update(self, overflow: bool) -> float:
+        """The scale after a step that did (or did not) overflow."""
+        if overflow:
+            if self.hysteresis == 1 or self.hysteresis_left == 1:
+                self.scale = max(self.scale / 2.0, self.min_scale)
+            else:
+                self.hysteresis_left -= 1
+            self.last_overflow = self.iteration
+        else:
+            stable = self.iteration - self.last_overflow - 1
+            if stable > 0 and stable % self.window == 0:
+                self.hysteresis_left = self.hysteresis
+                self.scale *= 2.0
+        self.iteration += 1
+        return self.scale
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "iteration": self.iteration, "last_overflow": self.last_overflow,
+                "hysteresis_left": self.hysteresis_left}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k in ("scale", "iteration", "last_overflow", "hysteresis_left"):
+            setattr(self, k, state[k])
+
+
+def torch_step(optimizer, scaler: LossScaler, norm: torch.Tensor, nonfinite_grads) -> tuple[StepResult, list[str]]:
+    """The update of the torch engines after ``scaler.unscale_`` and clipping gave ``norm``: (what the step did,
+    the gradients that held inf/nan when an fp16 step overflowed, named by ``nonfinite_grads()``).
+
+    bf16/fp32: inf/nan gradients skip the update on the device (fused AdamW's ``found_inf``) and nothing is read
+    on the host; an optimizer without that flag (8-bit AdamW) reads the norm. fp16: the scaler reads its overflow
+    flag and scale on the host anyway, so the norm is read too, and an overflow skips the update and moves the
+    scale (:class:`LossScaler`)."""
+    if not scaler.enabled:
+        bad = skip_nonfinite(optimizer, norm)
+        if bad is None:
+            bad = not math.isfinite(float(norm))
+            if not bad:
+                optimizer.step()
+        else:
+            optimizer.step()
+            optimizer.found_inf = None
+        optimizer.zero_grad(set_to_none=True)
+        return StepResult(skipped=bad, loss_scale=None, grad_norm=norm.detach()), []
+    norm = float(norm)
+    overflow = not math.isfinite(norm)  # unscaled gradients with an inf/nan have a non-finite norm
+    bad_grads = nonfinite_grads() if overflow else []
+    scaler.step(optimizer, overflow)
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(skipped=overflow, loss_scale=scaler.get_scale(), grad_norm=norm), bad_grads

@@ -177,10 +177,22 @@ class DeepSpeedEngine:
             out[name] = entry
         return out
 
-    def load_portable_state(self, state: dict, step: int) -> None:
+    def loss_scale_state(self) -> dict | None:
+        """DeepSpeed's DynamicLossScaler as :class:`launcher.engines.base.ScaleRule`'s fields (the same rule)."""
+        ls = getattr(self.optimizer, "loss_scaler", None)
+        if not self.fp16 or not getattr(ls, "dynamic", False):
+            return None
+        return {"scale": float(ls.cur_scale), "iteration": ls.cur_iter, "last_overflow": ls.last_overflow_iter,
+                "hysteresis_left": ls.cur_hysteresis}
+
+    def load_portable_state(self, state: dict, step: int, loss_scale: dict | None = None) -> None:
         """The inverse of :meth:`portable_state` on a fresh engine (the loop has already put the weights in
         the model before ``deepspeed.initialize``, so the 16-bit copies match; here the fp32 master copies
-        and Adam's moments are set exactly)."""
+        and Adam's moments are set exactly), and the loss scaler where the replaced engine's stood."""
+        ls = getattr(self.optimizer, "loss_scaler", None)
+        if loss_scale is not None and self.fp16 and getattr(ls, "dynamic", False):
+            ls.cur_scale, ls.cur_iter = float(loss_scale["scale"]), loss_scale["iteration"]
+            ls.last_overflow_iter, ls.cur_hysteresis = loss_scale["last_overflow"], loss_scale["hysteresis_left"]
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
         moments = any("exp_avg" in v for v in state.values())

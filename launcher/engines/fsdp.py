@@ -9,7 +9,8 @@ two units' 16-bit weights (FSDP prefetches the next one), one unit's gradients a
 Gradients are reduced in fp32 and land on the CPU; the optimizer step runs there with
 ``torch.optim.AdamW(fused=True)`` (scripts/bench_optimizers.py measures it against DeepSpeedCPUAdam).
 
-fp16 uses ``torch.amp.GradScaler`` with the numbers of the other paths. ``ShardedGradScaler`` is FSDP1's:
+fp16 uses ``torch.amp.GradScaler`` with the numbers and the scale rule of the other paths
+(:class:`launcher.engines.base.LossScaler`). ``ShardedGradScaler`` is FSDP1's:
 FSDP2 gradients are DTensors, and DTensor runs the scaler's inf/nan check on each rank's shard and then
 all-reduces ``found_inf`` over the mesh, so every rank skips the same steps with the plain scaler.
 
@@ -30,7 +31,6 @@ and writes them with ``save_pretrained``.
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -39,13 +39,13 @@ import torch.distributed as dist
 from launcher import dist as ranks
 from launcher.engines.base import (
     Levers,
+    LossScaler,
     StepResult,
     autocast_dtype,
     batch_to,
     forward_loss,
     make_optimizer,
-    make_scaler,
-    skip_nonfinite,
+    torch_step,
 )
 from launcher.memory.shape import base_model, decoder_layers
 from launcher.models import param_groups, save_final
@@ -120,8 +120,7 @@ class FsdpEngine:
         self.optimizer, opt_name = make_optimizer(groups, lr=lr, betas=betas, eps=eps, device=device)
         where = self.params[0].device.type if self.params else device.type
         self.optimizer_name = f"{opt_name} on {where}"
-        self.scaler = make_scaler(device, precision, loss_scale)
-        self.min_scale = float(loss_scale.min_scale)
+        self.scaler = LossScaler(device, precision, loss_scale)
         self.nonfinite: list[str] = []  # parameters whose gradients held inf/nan at the last overflow
 
     # ---- training
@@ -148,31 +147,11 @@ class FsdpEngine:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         self.scaler.unscale_(self.optimizer)  # inf/nan check per shard; found_inf is all-reduced by DTensor
-        norm = self._clip()  # the same on every rank (all-reduced)
-        if not self.scaler.is_enabled():  # bf16/fp32: inf/nan gradients skip the update, on the device
-            bad = skip_nonfinite(self.optimizer, norm)
-            if bad is None:
-                bad = not math.isfinite(float(norm))
-                if not bad:
-                    self.optimizer.step()
-            else:
-                self.optimizer.step()
-                self.optimizer.found_inf = None
-            self.optimizer.zero_grad(set_to_none=True)
-            return StepResult(skipped=bad, loss_scale=None, grad_norm=norm.detach())
-        norm = float(norm)  # fp16: the scaler reads its overflow flag and scale on the host anyway
-        scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
-        if not math.isfinite(norm):
-            self.nonfinite = [n for n, p in self.model.named_parameters()
-                              if p.grad is not None and not torch.isfinite(_local(p.grad)).all()]
-        self.scaler.step(self.optimizer)  # skipped on every rank when any rank saw inf/nan
-        self.scaler.update()
-        if self.scaler.is_enabled() and self.scaler.get_scale() < self.min_scale:
-            self.scaler.update(self.min_scale)  # same floor as DeepSpeed's min_loss_scale
-        self.optimizer.zero_grad(set_to_none=True)
-        skipped = scale is not None and not math.isfinite(norm)
-        return StepResult(skipped=skipped, loss_scale=self.scaler.get_scale() if scale is not None else None,
-                          grad_norm=norm)
+        norm = self._clip()  # the same on every rank (all-reduced): every rank skips the same steps
+        result, bad = torch_step(self.optimizer, self.scaler, norm, lambda: [
+            n for n, p in self.model.named_parameters() if p.grad is not None and not torch.isfinite(_local(p.grad)).all()])
+        self.nonfinite = bad or self.nonfinite
+        return result
 
     @torch.no_grad()
     def eval_loss(self, batch: dict) -> float:
@@ -267,8 +246,12 @@ class FsdpEngine:
                          **{k: st[k].full_tensor().float().cpu() for k in ("exp_avg", "exp_avg_sq") if k in st}}
         return out
 
+    def loss_scale_state(self) -> dict | None:
+        return self.scaler.portable()
+
     @torch.no_grad()
-    def load_portable_state(self, state: dict, step: int) -> None:
+    def load_portable_state(self, state: dict, step: int, loss_scale: dict | None = None) -> None:
+        self.scaler.load_portable(loss_scale)
         for name, p in self.model.named_parameters():
             if name not in state:
                 continue

@@ -84,3 +84,36 @@ def oom_hook(at_steps):
     from launcher.faults import Hooks
 
     return Hooks(before_step=before_step)
+
+
+class _Amplify(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by ``factor`` (an fp16 overflow, injected)."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def overflow_at(steps, factor=1e30):
+    """Make the gradients of the steps in ``steps`` (0-based, as hooks count) overflow fp16 on any engine: the
+    output head's input is multiplied by ``factor`` in the backward of the step's first micro-batch, so
+    every gradient below the head is far beyond fp16's 65504 and the step must be skipped. The forward, and so
+    the loss, is unchanged (the loss curves of two engines stay comparable at those steps)."""
+    from launcher.faults import Hooks
+
+    def before_step(step, engine):
+        if step in steps:
+            head = engine.module().get_output_embeddings()
+
+            def once(_mod, args):
+                handle.remove()
+                return (_Amplify.apply(args[0], factor), *args[1:])
+
+            handle = head.register_forward_pre_hook(once)
+
+    return Hooks(before_step=before_step)
