@@ -2,38 +2,19 @@
 
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 
 import pytest
 
 from helpers import FAST, ROOT, compare, losses, needs_deepspeed, run_inprocess
+from helpers.procs import torchrun as run_ranks
 
 
 def torchrun(nproc, *overrides, timeout=600, sigterm_after_step=None, metrics=None):
     """torchrun N ranks of launcher/run.py; optionally SIGTERM every process (as a preemption does) once
     ``metrics`` shows step ``sigterm_after_step``."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
-    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                          f"--master_port={port}", os.path.join(ROOT, "launcher", "run.py"), *overrides],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-                         start_new_session=True)
-    if sigterm_after_step:
-        deadline = time.time() + timeout
-        while time.time() < deadline and p.poll() is None:
-            if os.path.exists(metrics) and len(open(metrics).readlines()) >= sigterm_after_step:
-                os.killpg(p.pid, signal.SIGTERM)
-                break
-            time.sleep(0.05)
-    out, err = p.communicate(timeout=timeout)
-    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    stop = (lambda: os.path.exists(metrics) and len(open(metrics).readlines()) >= sigterm_after_step
+            ) if sigterm_after_step else None
+    return run_ranks(nproc, os.path.join(ROOT, "launcher", "run.py"), *overrides, timeout=timeout, stop_when=stop)
 
 
 def rows_of(run_dir):
