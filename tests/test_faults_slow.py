@@ -12,13 +12,12 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
-import time
 
 import pytest
 from test_faults import RUN, refused, snapshot
 
-from helpers import ROOT, needs_deepspeed, run_cli
+from helpers import needs_deepspeed, run_cli
+from helpers.procs import checkpoint_steps, started, vramfit
 
 pytestmark = pytest.mark.slow
 
@@ -150,6 +149,23 @@ def test_disk_full_while_writing_final_keeps_the_checkpoint(small_disk, sizes, t
     _no_partials(run)
 
 
+def test_trackers_disk_fills_mid_run_and_the_run_completes(small_disk, tmp_path):
+    """The trackers write on their own disk (log.tracker_dir) and another writer fills it after step 2, so the
+    first write that meets a full disk is TensorBoard's (from its writer thread, raised again at every later call
+    and at close): the tracker is switched off with a warning and the run completes, its own files complete."""
+    from launcher.faults import Hooks
+
+    mount, _ = small_disk
+    logs = mount(4 * MiB)
+    hooks = Hooks(after_step=lambda s: s == 2 and fill(logs, 0))
+    # 40 steps: TensorBoard's events outgrow the page its file had when the disk filled (a tmpfs counts pages)
+    s = train_here(tmp_path / "out", f"log.tracker_dir={logs}", "train.max_steps=40", "checkpoint.every_steps=20",
+                   "log.report_to=[tensorboard]", hooks=hooks)
+    assert s["status"] == "completed" and s["steps"] == 40 and os.path.isdir(os.path.join(s["run_dir"], "final"))
+    assert len(s["tracker_errors"]) == 1 and "No space left on device" in s["tracker_errors"][0], s["tracker_errors"]
+    assert os.listdir(logs / "r")  # its events up to the fill are there (TensorBoard reads what was written)
+
+
 @needs_deepspeed
 def test_deepspeed_checkpoint_on_a_full_disk(small_disk, tmp_path, monkeypatch):
     """DeepSpeed's torch.save reports a full disk as 'unexpected pos' or 'iostream error': still 'disk full'.
@@ -170,33 +186,16 @@ def test_deepspeed_checkpoint_on_a_full_disk(small_disk, tmp_path, monkeypatch):
 # Two processes, one run directory
 
 
-def _start(tmp_path, *args):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.Popen([sys.executable, "-m", "launcher", "train", *args], cwd=tmp_path, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
-
-def _wait_for(path, proc, deadline_s=300):
-    deadline = time.time() + deadline_s
-    while not os.path.exists(path):
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
-        assert time.time() < deadline, f"{path} did not appear"
-        time.sleep(0.2)
-
-
 def test_second_process_on_a_run_directory_is_refused(tmp_path):
     args = [*RUN, "train.max_steps=100000", "checkpoint.every_steps=3", f"output_dir={tmp_path}/out", "run_name=r"]
-    first = _start(tmp_path, *args)
     run = tmp_path / "out" / "r"
-    try:
-        _wait_for(run / "checkpoints" / "step-000003", first)
+    with started(vramfit("train", *args), str(tmp_path / "first.log"), cwd=tmp_path) as first:
+        # any complete checkpoint: with keep_last=2 a fast machine rotates step 3 away before a poll sees it
+        first.wait_until(lambda: checkpoint_steps(run), "checkpoint")
         p = run_cli("train", *args, cwd=tmp_path, timeout=240)  # (a second writer would run until killed)
         refused(p.returncode, p.stderr, f"is in use by pid {first.pid} on host {socket.gethostname()}")
-    finally:
         first.send_signal(signal.SIGTERM)
-        _, err = first.communicate(timeout=120)
-    assert first.returncode == 130, err[-3000:]
+        assert first.wait(120) == 130, first.output()[-3000:]
     steps = [json.loads(ln)["step"] for ln in open(run / "metrics.jsonl")]
     assert steps == list(range(1, len(steps) + 1))  # one writer: every step once
     assert not (run / "vramfit.lock").exists()
@@ -207,17 +206,19 @@ def test_second_process_on_a_run_directory_is_refused(tmp_path):
 
 def test_lock_of_a_killed_process_is_taken_over(tmp_path):
     args = [*RUN, "train.max_steps=100000", "checkpoint.every_steps=3", f"output_dir={tmp_path}/out", "run_name=r"]
-    first = _start(tmp_path, *args)
     run = tmp_path / "out" / "r"
-    _wait_for(run / "checkpoints" / "step-000003", first)
-    first.send_signal(signal.SIGKILL)
-    first.communicate(timeout=60)
+    with started(vramfit("train", *args), str(tmp_path / "first.log"), cwd=tmp_path) as first:
+        first.wait_until(lambda: checkpoint_steps(run), "checkpoint")
+        first.send_signal(signal.SIGKILL)
+        first.wait(60)
     assert json.load(open(run / "vramfit.lock"))["pid"] == first.pid  # left behind
-    p = run_cli("train", *args[:-3], "train.max_steps=7", *args[-2:], cwd=tmp_path)
+    # the newest complete checkpoint (one may have been half-written at the kill, and is not used)
+    last = checkpoint_steps(run)[-1]
+    p = run_cli("train", *args[:-3], f"train.max_steps={last + 2}", *args[-2:], cwd=tmp_path)
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert f"taking over the lock of pid {first.pid}" in p.stderr
     s = _summary(run)
-    assert s["status"] == "completed" and s["resumed_from"] and s["steps"] == 7
+    assert s["status"] == "completed" and s["resumed_from"].endswith(f"step-{last:06d}") and s["steps"] == last + 2
     assert not (run / "vramfit.lock").exists()
 
 
