@@ -173,8 +173,9 @@ class TrainConfig:
 @dataclass
 class LossScaleConfig:
     initial_power: int = _f(16, "fp16 dynamic loss scale starts at 2**initial_power.", min=0, max=32)
-    window: int = _f(1000, "Overflow-free steps before the scale doubles.", min=1)
-    hysteresis: int = _f(2, "Overflows tolerated before the scale halves (DeepSpeed).", min=1)
+    window: int = _f(1000, "Overflow-free steps (after the one following an overflow) before the scale doubles.", min=1)
+    hysteresis: int = _f(2, "Overflows that only skip the step before the scale halves (refilled when it grows); "
+                         "DeepSpeed's rule, on every engine.", min=1)
     min_scale: float = _f(1.0, "The scale never goes below this.", above=0.0)  # 0: a loss scaled to 0 trains nothing
     patience: int = _f(10, "Overflowing steps in a row at min_scale before the run stops (checkpoint + diagnosis).", min=1)
 
@@ -225,6 +226,8 @@ class LogConfig:
     report_to: list = _f(["tensorboard"], "Trackers that get the metrics, eval results and the plan: tensorboard "
                          "(event files in <run>/tensorboard), wandb, mlflow (optional extras; offline unless their "
                          "environment says otherwise), or none.")
+    tracker_dir: str = _f("", "Where the trackers write, one folder per run (tensorboard --logdir DIR shows them all); "
+                          "empty = in the run directory.")
 
 
 @dataclass
@@ -556,6 +559,10 @@ def check(cfg: Config, world: int | None = None) -> list[str]:
                             f"written there; fix: a folder you can write (chmod u+w {nvme}), or memory.nvme_path=\"\"")
     problems += check_data(cfg.data)
     problems += tracking.problems(cfg.log.report_to)
+    td = cfg.log.tracker_dir
+    if td and os.path.exists(os.path.expanduser(td)) and not os.path.isdir(os.path.expanduser(td)):
+        problems.append(f"log.tracker_dir: got {td!r}, which is a file; rule: a folder the trackers write into (one "
+                        f"folder per run); fix: log.tracker_dir={td}-logs, or empty for the run directory")
     if cfg.checkpoint.resume not in ("auto", "never") and not os.path.exists(cfg.checkpoint.resume):
         problems.append(f"checkpoint.resume: got {cfg.checkpoint.resume!r}; rule: auto, never, or an existing "
                         "checkpoint directory; fix: checkpoint.resume=auto")

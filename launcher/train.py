@@ -226,7 +226,8 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.E
         return bool(patience) and st.evals_since_best >= patience
 
     # ---- trackers: only once a resume has loaded (a refused one changes nothing in the run directory)
-    trackers = Trackers(cfg.log.report_to, rd.path, run_name, to_dict(cfg), ranks.is_main)  # closed after the loop
+    trackers = Trackers(cfg.log.report_to, rd.path, run_name, to_dict(cfg), ranks.is_main, warn=logger.warning,
+                        folder=cfg.log.tracker_dir)  # closed after the loop; one that fails is switched off
     cleanup.callback(trackers.close)  # and when the run ends with an exception
     if spec.plan is not None:
         trackers.text("plan", report.format_table(spec.plan))
@@ -399,7 +400,7 @@ def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.E
         "world_size": ranks.world, "predicted_step_s": spec.predicted("step_s"),
         "global_batch_size": cfg.train.global_batch_size, "seq_len": seq_len, "elapsed_s": elapsed,
         "checkpoint": last_ckpt, "reasons": list(spec.reasons), "diagnosis": diagnosis, "run_dir": rd.path,
-        "sample": None, "sample_error": None, "threads": th.to_dict(), **mon.summary(),
+        "sample": None, "sample_error": None, "tracker_errors": trackers.failures, "threads": th.to_dict(), **mon.summary(),
     }
     try:
         rd.write_json("summary.json", summary)

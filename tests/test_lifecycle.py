@@ -127,6 +127,31 @@ def test_tensorboard_events_read_back_with_tensorboards_reader(tmp_path):
     assert "chosen:" in plan
 
 
+def test_a_tracker_whose_writes_fail_is_switched_off_and_the_run_goes_on(tmp_path, vramfit_log, monkeypatch):
+    """TensorBoard's writer thread meets a full disk from step 3 on (its error is kept by the thread and raised
+    again by every later call, the close included): the tracker is switched off with one warning, the run
+    completes with every step in metrics.jsonl, and summary.json says which tracker failed and why."""
+    import errno
+
+    from tensorboard.summary.writer import record_writer
+
+    real, full = record_writer.RecordWriter.write, {"now": False}
+
+    def write(self, data):
+        if full["now"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, data)
+
+    monkeypatch.setattr(record_writer.RecordWriter, "write", write)
+    hooks = Hooks(after_step=lambda step: full.__setitem__("now", step >= 3))
+    s, rows = run_inprocess(tmp_path, "run_name=tb", "engine=amp", "train.max_steps=8", "train.warmup_steps=1",
+                            hooks=hooks)
+    assert s["status"] == "completed" and [r["step"] for r in rows] == list(range(1, 9))
+    assert s["tracker_errors"] == ["tensorboard: OSError: [Errno 28] No space left on device"]
+    warned = [r.getMessage() for r in vramfit_log.records if "tracker tensorboard switched off" in r.getMessage()]
+    assert len(warned) == 1 and "No space left on device" in warned[0] and "the run goes on" in warned[0]
+
+
 def test_report_to_a_tracker_that_is_not_installed_is_refused(monkeypatch):
     import importlib.util
 
