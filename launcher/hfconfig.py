@@ -91,14 +91,56 @@ def load(name: str, trust_remote_code: bool = False):
     if not is_local(name) and (name.startswith((".", "/", "~")) or os.sep in name and name.count("/") > 1):
         raise ConfigError([f"model.name: {name!r} is not a directory; rule: a preset ({', '.join(PRESETS)}), a "
                            "local model directory, or a hub id; fix: check the path"])
+    import transformers
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise ConfigError([f"model.name: {name!r} has no loadable config ({str(e).splitlines()[0]}); rule: a preset "
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 -- the config classes validate their values with errors of many kinds
+        why = _first_line(e)
+        if is_local(name):  # a config.json that transformers rejects: say which file and what it said
+            raise ConfigError([f"model.name: {os.path.join(path, 'config.json')} is rejected by transformers "
+                               f"{transformers.__version__} ({why}); rule: a config.json this transformers accepts, as "
+                               "save_pretrained writes it; fix: correct that value in config.json, or restore the file "
+                               "from where the model came from"]) from None
+        if not isinstance(e, (OSError, ValueError)):
+            raise
+        raise ConfigError([f"model.name: {name!r} has no loadable config ({why}); rule: a preset "
                            f"({', '.join(PRESETS)}), a local model directory with config.json, or a hub id "
                            "reachable from here; fix: pass a local directory or a preset"]) from None
+    check_sizes(config, os.path.join(path, "config.json") if is_local(name) else name)
+    return config
+
+
+# The sizes a decoder is built from, under the names transformers' configs use (GPT-2 and GPT-NeoX spell some
+# their own way); each must be a positive integer where a config has it. transformers checks some of them (a
+# hidden size that the heads do not divide) and builds the rest as given: a negative size then fails deep in
+# torch ("Trying to create tensor with negative dimension"), zero layers in the planner's trace.
+SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
+         "vocab_size", "head_dim", "max_position_embeddings", "n_embd", "n_head", "n_layer", "n_positions")
+
+
+def check_sizes(config, where: str) -> None:
+    """Every size of ``config`` (from ``where``) a positive integer, before anything is planned or built."""
+    configs = [config] + [c for c in (getattr(config, "text_config", None),) if c is not None and c is not config]
+    problems = []
+    for c in configs:
+        for key in SIZES:
+            value = getattr(c, key, None)
+            if value is None or isinstance(value, bool) or (isinstance(value, int) and value > 0):
+                continue
+            problems.append(f"model.name: {where} has {key}={value!r}; rule: a model size, a positive integer; fix: "
+                            f"correct {key} in that config.json (or restore the file from where the model came from)")
+    if problems:
+        raise ConfigError(problems)
+
+
+def _first_line(e: BaseException) -> str:
+    """The line of ``e`` that says what is wrong: the cause's when ``e`` only wraps it (huggingface_hub's
+    validation errors say "Class validation error for validator ..." and carry the ValueError as the cause)."""
+    inner = e.__cause__ if isinstance(e.__cause__, Exception) and str(e.__cause__).strip() else e
+    text = str(inner).strip()
+    return f"{type(inner).__name__}: {text.splitlines()[0]}" if text else type(inner).__name__
 
 
 def check_seq_len(config, seq_len: int) -> None:

@@ -32,14 +32,19 @@ def candidate_overrides(c: dict) -> list[str]:
 
 def tune(path: str | None, overrides: list[str], *, top: int = 3, out_yaml: str | None = None, out_dir: str = "tune-out",
          steps: int = 6, warmup: int = 2, timeout: float = 1800) -> dict:
+    problems = []  # the command line's, all at once and before anything is measured (minutes) or written
     if top < 1:
-        raise ConfigError([f"--top: got {top}; rule: at least 1 setting to measure; fix: --top 3"], "command line")
-    if out_yaml and os.path.exists(out_yaml):
-        raise ConfigError([f"--out: {out_yaml!r} exists; rule: tune never overwrites a file; fix: another path"],
-                          "command line")
-    if os.path.exists(out_dir) and os.listdir(out_dir):
-        raise ConfigError([f"--dir: {out_dir!r} holds earlier results; rule: tune never overwrites them; fix: "
-                           "another --dir, or remove it yourself"], "command line")
+        problems.append(f"--top: got {top}; rule: at least 1 setting to measure; fix: --top 3")
+    if out_yaml:
+        problems += _out_yaml_problems(out_yaml)
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        problems.append(f"--dir: {out_dir!r} holds earlier results; rule: tune never overwrites them; fix: another "
+                        "--dir, or remove it yourself")
+    elif os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        problems.append(f"--dir: got {out_dir!r}, which is a file; rule: a folder for the measurements' logs; fix: "
+                        f"--dir {out_dir}-runs")
+    if problems:
+        raise ConfigError(problems, "command line")
     cfg = settle_formats(load_config(path, overrides))  # packed instruction batches are planned as they run
     hw = probe()
     machine = calibrate.load_or_calibrate()
@@ -87,6 +92,24 @@ def tune(path: str | None, overrides: list[str], *, top: int = 3, out_yaml: str 
                      f"{machine.name}: {best['step_s']:.3g} s/step\n" + to_yaml(tuned))
         doc["yaml"] = out_yaml
     return doc
+
+
+def _out_yaml_problems(out_yaml: str) -> list[str]:
+    """``--out``: a new file in an existing folder this user can write."""
+    path = os.path.abspath(os.path.expanduser(out_yaml))
+    folder = os.path.dirname(path)
+    if os.path.isdir(path):
+        return [f"--out: got {out_yaml!r}, which is a folder; rule: the YAML file to write; fix: --out "
+                f"{os.path.join(out_yaml, 'tuned.yaml')}"]
+    if os.path.exists(path):
+        return [f"--out: {out_yaml!r} exists; rule: tune never overwrites a file; fix: another path"]
+    if not os.path.isdir(folder):
+        return [f"--out: got {out_yaml!r}; rule: the file goes in an existing folder, and {folder} does not exist; "
+                f"fix: mkdir -p {folder}, or --out {os.path.basename(path)}"]
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return [f"--out: got {out_yaml!r}; rule: a folder this user can write, and {folder} is not writable here; "
+                f"fix: --out in a folder you can write"]
+    return []
 
 
 def table(doc: dict) -> str:

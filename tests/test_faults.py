@@ -230,7 +230,7 @@ def _tiny_dir(path, weights=True):
 
 
 @pytest.mark.parametrize("case", ["no-config", "config-below", "not-json", "no-model-type", "no-weights",
-                                  "missing-shard"])
+                                  "missing-shard", "rejected-by-transformers", "negative-size"])
 def test_odd_model_directories(capsys, monkeypatch, tmp_path, case):
     model = tmp_path / "model"
     model.mkdir()
@@ -250,6 +250,14 @@ def test_odd_model_directories(capsys, monkeypatch, tmp_path, case):
     elif case == "no-weights":
         _tiny_dir(model, weights=False)
         names = ["has a config.json but no weights"]
+    elif case in ("rejected-by-transformers", "negative-size"):  # values a hand-edited config.json may hold
+        _tiny_dir(model)
+        doc = json.load(open(model / "config.json"))
+        heads = doc["num_attention_heads"]
+        doc["hidden_size"] = -5 if case == "rejected-by-transformers" else -2 * heads  # -5: the heads do not divide
+        (model / "config.json").write_text(json.dumps(doc))
+        names = (["config.json is rejected by transformers", "The hidden size (-5)", "fix: correct that value"]
+                 if case == "rejected-by-transformers" else [f"has hidden_size={-2 * heads}", "fix: correct hidden_size"])
     else:
         _tiny_dir(model, weights=False)
         (model / "model.safetensors.index.json").write_text(json.dumps(
@@ -261,6 +269,25 @@ def test_odd_model_directories(capsys, monkeypatch, tmp_path, case):
                       f"output_dir={tmp_path}/out", "run_name=x", cwd=tmp_path)
     refused(rc, err, "model.name", *names)
     assert snapshot(tmp_path) == before  # no run directory made
+    if case in ("rejected-by-transformers", "negative-size"):  # the planner reads the config the same way
+        rc, err = vramfit(capsys, monkeypatch, "plan", f"model.name={model}", cwd=tmp_path)
+        refused(rc, err, "model.name", *names)
+        assert snapshot(tmp_path) == before
+
+
+def test_tune_refuses_an_out_file_it_could_not_write_before_measuring(capsys, monkeypatch, tmp_path):
+    """``tune --out`` in a folder that does not exist (or naming a folder) is refused before the measurements,
+    which take minutes and would end in a traceback when the file is written; nothing is written."""
+    from launcher import calibrate
+
+    monkeypatch.setattr(calibrate, "load_or_calibrate", lambda *a, **k: pytest.fail("measured before refusing"))
+    (tmp_path / "a-folder").mkdir()
+    before = snapshot(tmp_path)
+    for out, names in ((tmp_path / "missing" / "t.yaml", [f"mkdir -p {tmp_path / 'missing'}", "--out t.yaml"]),
+                       (tmp_path / "a-folder", ["which is a folder", f"--out {tmp_path / 'a-folder' / 'tuned.yaml'}"])):
+        rc, err = vramfit(capsys, monkeypatch, "tune", *RUN, "--out", out, "--dir", tmp_path / "tune-out", cwd=tmp_path)
+        refused(rc, err, "--out", *names)
+    assert snapshot(tmp_path) == before
 
 
 # ------------------------------------------------------------------------------------------------
