@@ -27,8 +27,20 @@ def private_cache(tmp_path_factory):
         os.environ["XDG_CACHE_HOME"] = old
 
 
+EXTENDED_TIMEOUT_S = 1200  # pyproject.toml's per-test limit (300 s) is for what CI runs; the by-hand set gets this
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` selects: an ``extended`` test is a slow one, whatever it says
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` skip themselves without CUDA (``pytest -m gpu`` selects them on a GPU host)."""
+    """Tests marked ``extended`` are ``slow`` too (the default run never runs them; CI's slow set leaves them
+    out), with a longer time limit; tests marked ``gpu`` skip themselves without CUDA (``pytest -m gpu`` selects
+    them on a GPU host)."""
+    for item in items:
+        if item.get_closest_marker("extended"):
+            if not item.get_closest_marker("slow"):
+                item.add_marker(pytest.mark.slow)
+            if not item.get_closest_marker("timeout"):  # a first JIT build of async_io alone takes about 5 minutes
+                item.add_marker(pytest.mark.timeout(EXTENDED_TIMEOUT_S))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

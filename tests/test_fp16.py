@@ -54,8 +54,9 @@ def test_the_scale_rule_is_deepspeeds():
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, deepspeed_fp16_on_cpu):
-    """profile -> (summary, metrics rows) of the FP16 run with OVERFLOWS injected, made once per profile."""
+def runs(tmp_path_factory):
+    """profile -> (summary, metrics rows) of the FP16 run with OVERFLOWS injected, made once per profile (a
+    DeepSpeed profile by a test that asked for ``deepspeed_fp16_on_cpu``)."""
     root, made = tmp_path_factory.mktemp("fp16"), {}
 
     def run(profile):
@@ -80,7 +81,7 @@ def test_amp_fp16_follows_the_scale_rule(runs):
 @pytest.mark.parametrize("profile", ["zero2-fp16",
                                      pytest.param("zero2-fp16-offload-opt", marks=pytest.mark.slow),
                                      pytest.param("zero3-fp16-offload-all", marks=pytest.mark.slow)])
-def test_deepspeed_fp16_matches_amp_fp16(runs, profile):
+def test_deepspeed_fp16_matches_amp_fp16(deepspeed_fp16_on_cpu, runs, profile):
     """Each DeepSpeed fp16 profile of the catalogue against AMP fp16 + GradScaler: the injected overflows are
     skipped on both, the loss scale is the same at every step, and the loss curves agree within the tolerance."""
     s, rows = runs(profile)
@@ -91,9 +92,9 @@ def test_deepspeed_fp16_matches_amp_fp16(runs, profile):
     assert mx <= FP16_TOL_MAX and mean <= FP16_TOL_MEAN
 
 
-@pytest.mark.extended
+@pytest.mark.extended  # a fresh environment JIT-builds async_io first (tests/test_nvme.py)
 @pytest.mark.parametrize("profile", ["zero3-fp16-offload-nvme-opt", "zero3-fp16-offload-nvme-all"])
-def test_deepspeed_fp16_on_nvme(runs, tmp_path, profile):
+def test_deepspeed_fp16_on_nvme(deepspeed_fp16_on_cpu, runs, tmp_path, profile):
     from launcher.hardware import async_io_status
 
     if async_io_status() != "usable":
@@ -110,11 +111,14 @@ def sigterm_after(step_to_stop, then: Hooks) -> Hooks:
                  after_step=lambda s: os.kill(os.getpid(), signal.SIGTERM) if s == step_to_stop else None)
 
 
-@pytest.mark.parametrize("profile", ["amp-fp16", pytest.param("zero2-fp16", marks=needs_deepspeed)])
-def test_sigterm_then_resume_restores_the_loss_scale(runs, tmp_path, profile):
+@pytest.mark.parametrize("profile", [pytest.param("amp-fp16", marks=pytest.mark.slow),
+                                     pytest.param("zero2-fp16", marks=needs_deepspeed)])
+def test_sigterm_then_resume_restores_the_loss_scale(request, runs, tmp_path, profile):
     """Stopped by SIGTERM after step 6 (after two overflows: scale 8, hysteresis used up), resumed: the scale,
     the hysteresis and the growth window come back with the checkpoint, so the resumed run skips and scales
     exactly as the uninterrupted one, and its losses are the same."""
+    if profile.startswith("zero"):
+        request.getfixturevalue("deepspeed_fp16_on_cpu")
     cut, _ = run_inprocess(tmp_path, f"profile={profile}", "run_name=cut", *FP16,
                            hooks=sigterm_after(6, overflow_at(OVERFLOWS)))
     assert cut["status"] == "interrupted" and cut["steps"] == 6 and cut["loss_scale"] == 8
@@ -143,7 +147,7 @@ def test_min_scale_stop_on_deepspeed_fp16(deepspeed_fp16_on_cpu, tmp_path):
 
 @needs_deepspeed
 @pytest.mark.slow
-def test_oom_ladder_carries_the_scale_on_deepspeed_fp16(runs, tmp_path):
+def test_oom_ladder_carries_the_scale_on_deepspeed_fp16(deepspeed_fp16_on_cpu, runs, tmp_path):
     """An OOM at step 6 on zero2-fp16 (scale 8 after the overflows at steps 3 and 4) halves the micro-batch,
     which rebuilds the DeepSpeed engine: the new one starts at the scale the old one had reached (8, not the
     configured 16), and from there scales and skips as the run that never moved. What a rebuild does not carry

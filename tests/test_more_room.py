@@ -227,17 +227,11 @@ def run_plain_and_chunked(tmp_path, monkeypatch, *overrides, name=""):
 
 
 @pytest.mark.slow
-def test_chunked_loss_trains_like_the_plain_loss_amp_and_zero2(tmp_path, monkeypatch):
-    cases = [("amp-fp32", [])]
-    from helpers import has_deepspeed
-
-    if has_deepspeed():
-        cases.append(("zero2-fp32", []))
-    for profile, extra in cases:
-        (_, ref), (_, got) = run_plain_and_chunked(tmp_path, monkeypatch, *QUIET, f"profile={profile}", *extra,
-                                                   name=f"{profile}-")
-        mx, _ = compare(losses(got), losses(ref), f"{profile} chunked vs plain")
-        assert mx < 1e-5
+@pytest.mark.parametrize("profile", ["amp-fp32", pytest.param("zero2-fp32", marks=needs_deepspeed)])
+def test_chunked_loss_trains_like_the_plain_loss_amp_and_zero2(tmp_path, monkeypatch, profile):
+    (_, ref), (_, got) = run_plain_and_chunked(tmp_path, monkeypatch, *QUIET, f"profile={profile}", name=f"{profile}-")
+    mx, _ = compare(losses(got), losses(ref), f"{profile} chunked vs plain")
+    assert mx < 1e-5
 
 
 @pytest.mark.slow
