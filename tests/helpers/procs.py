@@ -27,16 +27,26 @@ def clean_env(extra: dict | None = None) -> dict:
 
 
 class Started:
-    def __init__(self, popen: subprocess.Popen, log: str):
-        self.popen, self.log = popen, log
+    def __init__(self, popen: subprocess.Popen, log: str, err_log: str | None = None):
+        self.popen, self.log, self.err_log = popen, log, err_log
 
     @property
     def pid(self) -> int:
         return self.popen.pid
 
-    def output(self) -> str:
+    def stdout(self) -> str:
+        """What the process wrote (stdout and stderr together, unless they were asked apart)."""
         with open(self.log, errors="replace") as f:
             return f.read()
+
+    def stderr(self) -> str:
+        if self.err_log is None:
+            return ""
+        with open(self.err_log, errors="replace") as f:
+            return f.read()
+
+    def output(self) -> str:
+        return self.stdout() + self.stderr()
 
     def send_signal(self, sig: int, group: bool = False) -> None:
         """``sig`` to the process (``group``: to its whole process group, as a preemption signals every rank)."""
@@ -56,14 +66,16 @@ class Started:
 
 
 @contextlib.contextmanager
-def started(args: list[str], log: str, *, cwd: str | None = None, env: dict | None = None):
-    """``args`` started in a new session (its own process group); on the way out whatever is left of the group
-    is killed (SIGKILL) and reaped."""
-    with open(log, "w") as out:
-        popen = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-                                 cwd=cwd or ROOT, env=env if env is not None else clean_env(), start_new_session=True)
+def started(args: list[str], log: str, *, cwd: str | None = None, env: dict | None = None, apart: bool = False):
+    """``args`` started in a new session (its own process group), stdout and stderr into ``log`` (``apart``:
+    stderr into ``log``.err); on the way out whatever is left of the group is killed (SIGKILL) and reaped."""
+    err_log = log + ".err" if apart else None
+    with open(log, "w") as out, open(err_log or os.devnull, "w") as err:
+        popen = subprocess.Popen(args, stdout=out, stderr=err if apart else subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, text=True, cwd=cwd or ROOT,
+                                 env=env if env is not None else clean_env(), start_new_session=True)
     try:
-        yield Started(popen, log)
+        yield Started(popen, log, err_log)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(popen.pid, signal.SIGKILL)  # the children too (torchrun's ranks), even if the leader has exited
@@ -75,8 +87,7 @@ def torchrun(nproc: int, script: str, *args: str, timeout: float = 600, stop_whe
              log: str | None = None) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node=N SCRIPT ARGS`` on a free port, one intra-op thread per rank (N ranks share
     the cores). ``stop_when``: a function that, once true, has every rank sent SIGTERM, as a preemption does.
-    Returns the exit code with the output (stdout and stderr together, in ``stdout``); the ranks are killed on
-    the way out whatever happens."""
+    Returns the exit code with stdout and stderr; the ranks are killed on the way out whatever happens."""
     import socket
     import tempfile
 
@@ -86,12 +97,12 @@ def torchrun(nproc: int, script: str, *args: str, timeout: float = 600, stop_whe
     log = log or os.path.join(tempfile.mkdtemp(prefix="torchrun-"), "torchrun.log")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}",
            script, *args]
-    with started(cmd, log, env=clean_env({"OMP_NUM_THREADS": "1"})) as p:
+    with started(cmd, log, env=clean_env({"OMP_NUM_THREADS": "1"}), apart=True) as p:
         if stop_when is not None:
             p.wait_until(stop_when, "the step to stop at", timeout_s=timeout, poll_s=0.05)
             p.send_signal(signal.SIGTERM, group=True)
         code = p.wait(timeout)
-        return subprocess.CompletedProcess(cmd, code, p.output(), "")
+        return subprocess.CompletedProcess(cmd, code, p.stdout(), p.stderr())
 
 
 def vramfit(*args: str) -> list[str]:
