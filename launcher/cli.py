@@ -13,9 +13,10 @@ import json
 import os
 import sys
 
-from launcher import dist, log
-from launcher.config import Config, ConfigError
-from launcher.rundir import DiskFull
+from launcher import log
+from launcher.config.schema import Config, ConfigError
+from launcher.machine import dist
+from launcher.machine.files import DiskFull
 
 EPILOG = """config: an optional YAML file, then key=value overrides, e.g.
   vramfit train                                   # the built-in demo (tiny Llama, synthetic task)
@@ -69,14 +70,15 @@ def results_stdout():
 
 
 def cmd_doctor(args) -> int:
-    from launcher import calibrate, threads
-    from launcher.hardware import format_report, probe
+    from launcher.machine import threads
+    from launcher.machine.hardware import format_report, probe
+    from launcher.measure import calibrate
 
     out = args.stdout
     hw = probe(with_cpu_adam=True)
     hw.threads = threads.current()
     if args.build_ops:
-        from launcher.hardware import build_ops
+        from launcher.machine.hardware import build_ops
 
         print(build_ops(), file=sys.stderr)
         hw = probe(with_cpu_adam=True)
@@ -96,7 +98,7 @@ def output_disk(output_dir: str) -> dict:
     """Free and total bytes of the disk that holds ``output_dir`` (its nearest existing parent)."""
     import shutil
 
-    from launcher.rundir import free_bytes, size_text
+    from launcher.machine.files import free_bytes, size_text
 
     p = os.path.abspath(output_dir)
     while not os.path.exists(p) and os.path.dirname(p) != p:
@@ -108,7 +110,7 @@ def output_disk(output_dir: str) -> dict:
 
 
 def cmd_profiles(args) -> int:
-    from launcher import profiles
+    from launcher.config import profiles
 
     if args.check:
         problems = profiles.check_all(args.dir)
@@ -126,17 +128,19 @@ def cmd_profiles(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from launcher import tracestore
-    from launcher.memory import estimate
+    from launcher.plan import tracestore
+    from launcher.plan.memory import estimate
 
     with estimate.parallel(tracestore.workers()):  # a cold plan is mostly tracing
         return _plan(args)
 
 
 def _plan(args) -> int:
-    from launcher import advice, calibrate, compare, diskspace, gpus, planner, report
-    from launcher.config import load_config
-    from launcher.hardware import probe, with_nvme
+    from launcher.config.schema import load_config
+    from launcher.machine import diskspace
+    from launcher.machine.hardware import probe, with_nvme
+    from launcher.measure import calibrate
+    from launcher.plan import advice, compare, gpus, planner, report
 
     path, overrides = _split_config(args.config)
     out = args.stdout
@@ -171,7 +175,7 @@ def _plan(args) -> int:
 
 
 def cmd_tune(args) -> int:
-    from launcher import tune
+    from launcher.measure import tune
 
     path, overrides = _split_config(args.config)
     doc = tune.tune(path, overrides, top=args.top, out_yaml=args.out, out_dir=args.dir, steps=args.steps,
@@ -183,7 +187,7 @@ def cmd_tune(args) -> int:
 def _settle_data_formats(cfg):
     """``format: auto`` of the data resolved from one record, so the plan knows whether instruction samples are
     packed; data that cannot be read here (planning for another machine) is planned as text, with a notice."""
-    from launcher.config import ConfigError
+    from launcher.config.schema import ConfigError
     from launcher.data import settle_formats
     from launcher.log import logger
 
@@ -196,9 +200,9 @@ def _settle_data_formats(cfg):
 
 
 def cmd_train(args) -> int:
-    from launcher.config import load_config
-    from launcher.faults import EXIT_FAILED, EXIT_INTERRUPTED
-    from launcher.train import train
+    from launcher.config.schema import load_config
+    from launcher.training.faults import EXIT_FAILED, EXIT_INTERRUPTED
+    from launcher.training.loop import train
 
     path, overrides = _split_config(args.config)
     cfg = load_config(path, overrides)
@@ -207,7 +211,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from launcher import bench
+    from launcher.measure import bench
 
     path, overrides = _split_config(args.config)
     doc = bench.main(path, overrides, profiles=args.profiles, out=args.out, steps=args.steps, warmup=args.warmup,
@@ -217,21 +221,21 @@ def cmd_bench(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from launcher.export import export
+    from launcher.model.export import export
 
     print(export(args.run_dir, args.out, merge=args.merge), file=args.stdout)
     return 0
 
 
 def cmd_plot(args) -> int:
-    from launcher.plots import plot_run
+    from launcher.training.plots import plot_run
 
     print(plot_run(args.run_dir), file=args.stdout)
     return 0
 
 
 def cmd_config_reference(args) -> int:
-    from launcher.config import reference_markdown
+    from launcher.config.schema import reference_markdown
 
     print(reference_markdown(), file=args.stdout)
     return 0
@@ -252,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser("profiles", help="write ds_configs/*.json from the catalogue, or --check them")
     pr.add_argument("--check", action="store_true", help="fail when ds_configs/ differs from the code")
-    from launcher.profiles import DS_CONFIG_DIR
+    from launcher.config.profiles import DS_CONFIG_DIR
 
     pr.add_argument("--dir", default=DS_CONFIG_DIR, help="where the JSON files live (default: %(default)s)")
     pr.set_defaults(fn=cmd_profiles)
@@ -320,7 +324,7 @@ def _planning_process() -> None:
     ``main`` starts the process (no ``argv`` given): code that calls ``main`` may go on to train in the same
     process."""
     if "peft" not in sys.modules and "bitsandbytes" not in sys.modules:
-        from launcher.hardware import hide_module
+        from launcher.machine.hardware import hide_module
 
         hide_module("bitsandbytes")
 
@@ -337,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         _planning_process()
     try:
         log.setup(rank=dist.current().rank)
-        from launcher import tracestore  # late: it imports torch, which --help and bad arguments need not wait for
+        from launcher.plan import tracestore  # late: it imports torch, which --help and bad arguments need not wait for
 
         tracestore.install()  # a model planned before is not traced again
         with results_stdout() as args.stdout:

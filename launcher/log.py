@@ -82,7 +82,7 @@ def setup(level: str = "info", rank: int | None = None) -> logging.Logger:
     if rank is not None:
         _filter.rank = rank
     # bitsandbytes warns at import, on every CPU with AVX512-BF16, that an optional kernels package for its
-    # 4-bit inference layout is missing: vramfit never uses that layout (launcher/quantize.py), so the line
+    # 4-bit inference layout is missing: vramfit never uses that layout (launcher/model/quantize.py), so the line
     # only alarms people
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     logger.setLevel(level.upper())

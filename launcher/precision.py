@@ -27,6 +27,16 @@ def compute_dtype(precision: str) -> torch.dtype:
     return autocast_dtype(precision) or torch.float32
 
 
+def weight_dtype(engine: str, precision: str, adapters: bool) -> torch.dtype:
+    """The dtype a run keeps its model's weights in (the one rule the loader, the export and the memory plan
+    share). DeepSpeed fp16/bf16: 16 bits (it keeps fp32 masters in its optimizer). AMP with LoRA or QLoRA
+    (``adapters``): the frozen base in 16 bits too (autocast computes in 16 bits anyway and the fp32 adapters are
+    all that trains). Otherwise fp32 masters (AMP, and FSDP, which casts to 16 bits per layer as it computes)."""
+    if precision in ("fp16", "bf16") and (engine == "deepspeed" or (engine == "amp" and adapters)):
+        return DTYPES[precision]
+    return torch.float32
+
+
 def supports_bf16(capability: tuple[int, int]) -> bool:
     return capability[0] >= 8
 

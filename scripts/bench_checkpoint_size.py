@@ -22,10 +22,10 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from launcher.bench import cpu_model  # noqa: E402
-from launcher.config import load_config  # noqa: E402
-from launcher.rundir import tree_bytes  # noqa: E402
-from launcher.train import train  # noqa: E402
+from launcher.config.schema import load_config  # noqa: E402
+from launcher.measure.bench import cpu_model  # noqa: E402
+from launcher.training.loop import train  # noqa: E402
+from launcher.training.rundir import tree_bytes  # noqa: E402
 from launcher.units import MiB  # noqa: E402
 
 PROFILES = ["amp-fp32", "zero2-fp32", "fsdp-bf16-offload"]
@@ -39,7 +39,7 @@ def measure(profile: str, model: str, r: int, out_dir: str, extra: list[str]) ->
                              f"run_name={profile}", *extra])
     s = train(cfg)
     ckpt = s["checkpoint"]
-    from launcher.models import build_model, count_params
+    from launcher.model.build import build_model, count_params
 
     m = build_model(cfg)
     total, trainable = count_params(m)

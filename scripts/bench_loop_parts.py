@@ -25,12 +25,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from launcher import dist, progress, train  # noqa: E402
-from launcher.config import load_config  # noqa: E402
+from launcher.config.schema import load_config  # noqa: E402
 from launcher.data.tokens import TokenData  # noqa: E402
-from launcher.monitor import MemoryMonitor  # noqa: E402
-from launcher.rundir import RunDir  # noqa: E402
-from launcher.tracking import Trackers  # noqa: E402
+from launcher.machine import dist  # noqa: E402
+from launcher.training import loop as train
+from launcher.training import progress
+from launcher.training.monitor import MemoryMonitor  # noqa: E402
+from launcher.training.rundir import RunDir  # noqa: E402
+from launcher.training.tracking import Trackers  # noqa: E402
 
 WARMUP = 5
 # (label, owner, attribute): what the loop calls once (or a few times) per step, outside the engine

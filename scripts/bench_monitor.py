@@ -29,9 +29,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from launcher import monitor as monitor_mod  # noqa: E402
-from launcher.bench import cpu_model, timing  # noqa: E402
-from launcher.config import load_config  # noqa: E402
+from launcher.config.schema import load_config  # noqa: E402
+from launcher.measure.bench import cpu_model, timing  # noqa: E402
+from launcher.training import monitor as monitor_mod  # noqa: E402
 
 
 class CallTimer:
@@ -71,7 +71,7 @@ class CallTimer:
 
 
 def one_run(overrides: list[str], on: bool, out_dir: str, name: str, warmup: int, timer: CallTimer | None) -> dict:
-    from launcher.train import train
+    from launcher.training.loop import train
 
     interval = "0.5" if on else "0"
     cfg = load_config(None, [*overrides, f"log.memory_interval_s={interval}", f"output_dir={out_dir}",

@@ -55,7 +55,7 @@ def candidates(lr: float, betas, eps: float, weight_decay: float):
     kw = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     try:  # the ninja vramfit's runs use, and a word before DeepSpeed compiles an op (minutes)
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        from launcher.hardware import op_state, use_env_ninja
+        from launcher.machine.hardware import op_state, use_env_ninja
 
         ninja = use_env_ninja()
         for name in ("cpu_adam", "fused_adam"):

@@ -25,10 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from launcher.config import load_config  # noqa: E402
+from launcher.config.schema import load_config  # noqa: E402
 from launcher.data.order import micro_batches  # noqa: E402
 from launcher.data.synthetic import synthetic_task  # noqa: E402
-from launcher.models import build_model, model_config, param_groups  # noqa: E402
+from launcher.model.build import build_model, model_config, param_groups  # noqa: E402
 
 WARMUP = 5
 
@@ -65,7 +65,7 @@ def bare_loop(cfg) -> float:
 
 
 def vramfit_loop(overrides: list[str]) -> float:
-    from launcher.train import train
+    from launcher.training.loop import train
 
     with tempfile.TemporaryDirectory() as d:
         cfg = load_config(None, [*overrides, f"output_dir={d}", "run_name=bench"])

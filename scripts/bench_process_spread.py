@@ -4,7 +4,7 @@
     python scripts/bench_process_spread.py [--processes 8] [--blocks 3] [--steps 60] [--precision bf16] [--threads N]
                                            [--json OUT]
 
-Each process builds the smallest model the step-time calibration measures (``launcher.stepcal.REFERENCE[1]``:
+Each process builds the smallest model the step-time calibration measures (``launcher.measure.stepcal.REFERENCE[1]``:
 a Llama of hidden 64 and 4 layers, batch 1, sequence 8), runs 5 untimed forward + backward passes as the AMP
 engine runs them, then ``--blocks`` blocks of ``--steps`` timed ones, and reports each block's median step.
 The processes run one after another. How far apart the blocks are, within one process and between
@@ -29,7 +29,7 @@ def child(precision: str, blocks: int, steps: int, threads: int) -> list[float]:
     sys.path.insert(0, ROOT)
     import torch
 
-    from launcher import stepcal
+    from launcher.measure import stepcal
 
     if threads:
         torch.set_num_threads(threads)

@@ -7,7 +7,7 @@ Each repeat trains twice in this process, once with TensorBoard event files and 
 alternating between repeats so that a busy machine slows both alike. tokens/s is taken over the steps after
 the warm-up from each run's metrics.jsonl (wall time: everything the loop does). Reported: the median tokens/s
 of each, the overhead ``1 - median(on) / median(off)``, and the tracker's own time per step measured directly
-(the loop's calls into :class:`launcher.tracking.Trackers`), which a noisy machine does not blur.
+(the loop's calls into :class:`launcher.training.tracking.Trackers`), which a noisy machine does not blur.
 Target: under 1% of tokens/s.
 
 Writes ``DIR/bench_tracking.json`` and ``DIR/bench_tracking.md`` with ``--out``.
@@ -25,10 +25,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from launcher import tracking  # noqa: E402
-from launcher.bench import cpu_model  # noqa: E402
-from launcher.config import load_config  # noqa: E402
-from launcher.train import train  # noqa: E402
+from launcher.config.schema import load_config  # noqa: E402
+from launcher.measure.bench import cpu_model  # noqa: E402
+from launcher.training import tracking  # noqa: E402
+from launcher.training.loop import train  # noqa: E402
 
 
 def main() -> None:

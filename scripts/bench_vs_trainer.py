@@ -110,10 +110,10 @@ def trainer_worker(a) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
 
-    from launcher.config import load_config
+    from launcher.config.schema import load_config
     from launcher.data import load_data
-    from launcher.hardware import use_env_ninja
-    from launcher.threads import apply, decide
+    from launcher.machine.hardware import use_env_ninja
+    from launcher.machine.threads import apply, decide
 
     use_env_ninja()  # the shared-memory comm op as vramfit's runs built it (another ninja would rebuild it)
 

@@ -2,12 +2,12 @@
 QLoRA) on an 8, 16 and 24 GB card with 16, 32 and 64 GB of host RAM, before and after the levers of that page
 (chunked loss, activation offload, NVMe offload).
 
-Planned on this CPU machine for catalogue GPUs (launcher.gpus: Quadro RTX 4000 8 GB, T4 16 GB, RTX 3090 24 GB),
+Planned on this CPU machine for catalogue GPUs (launcher.plan.gpus: Quadro RTX 4000 8 GB, T4 16 GB, RTX 3090 24 GB),
 seq 2048, global batch 8, micro-batch 1 with every layer checkpointed (the setting that needs the least memory
 without the levers; the search over micro-batches would multiply the traces of this grid). "before": loss.chunked=off,
 memory.offload_activations=off, no memory.nvme_path. "after": loss.chunked=auto, memory.offload_activations=auto,
 memory.nvme_path on a disk with 1 TB free (an assumption, stated in the output; its speeds are this machine's
-disk, measured by launcher.hardware.probe_disk, and only order the choice). Without machine speeds the planner
+disk, measured by launcher.machine.hardware.probe_disk, and only order the choice). Without machine speeds the planner
 chooses by speed rank. Writes results.json and table.md into the output folder.
 
     python scripts/capacity_table.py --out bench/results/2026-11-30-cpu-epyc/capacity
@@ -24,9 +24,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from launcher import gpus, planner  # noqa: E402
-from launcher.config import ConfigError, load_config  # noqa: E402
-from launcher.hardware import probe, probe_disk  # noqa: E402
+from launcher.config.schema import ConfigError, load_config  # noqa: E402
+from launcher.machine.hardware import probe, probe_disk  # noqa: E402
+from launcher.plan import (
+    gpus,  # noqa: E402
+    planner,
+)
 from launcher.units import GiB  # noqa: E402
 
 CARDS = {"8 GB": "QuadroRTX4000", "16 GB": "T4", "24 GB": "RTX3090"}

@@ -26,8 +26,8 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from launcher import hardware  # noqa: E402
 from launcher.engines.deepspeed import ops_loaded  # noqa: E402
+from launcher.machine import hardware  # noqa: E402
 
 
 def ninja_logs() -> dict[str, str]:

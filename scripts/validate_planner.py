@@ -89,9 +89,9 @@ def run_cpu(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from launcher.memory.estimate import estimate_activations
-    from launcher.memory.shape import build_meta_model
-    from launcher.memory.trace import TraceSettings, enable_checkpointing, measure_step, trace_depth
+    from launcher.plan.memory.estimate import estimate_activations
+    from launcher.plan.memory.shape import build_meta_model
+    from launcher.plan.memory.trace import TraceSettings, enable_checkpointing, measure_step, trace_depth
 
     torch.set_num_threads(1)
     out = []
@@ -160,9 +160,9 @@ def cpu_markdown(res: dict) -> str:
 
 
 def run_gpu(args) -> dict:
-    from launcher import planner
-    from launcher.config import load_config
-    from launcher.hardware import probe
+    from launcher.config.schema import load_config
+    from launcher.machine.hardware import probe
+    from launcher.plan import planner
 
     hw = probe()
     rows = []
@@ -211,7 +211,7 @@ def run_gpu(args) -> dict:
             row["stderr_tail"] = stderr[-2000:]
         row["tensor_err_pct"] = pct(row.get("pred_tensor_bytes"), row.get("peak_gpu_bytes"))
         if row.get("gpu_reserved"):
-            from launcher.planner import CUDA_CONTEXT_BYTES
+            from launcher.plan.planner import CUDA_CONTEXT_BYTES
 
             row["total_err_pct"] = pct(row.get("pred_gpu_bytes"), row["gpu_reserved"] + CUDA_CONTEXT_BYTES)
         row["cpu_err_pct"] = pct(row.get("pred_cpu_bytes"), row.get("peak_cpu_rss_bytes"))
@@ -229,7 +229,7 @@ def run_gpu(args) -> dict:
 def gpu_markdown(res: dict) -> str:
     lines = ["| run | status | predicted tensors MiB | max allocated MiB | err | predicted total MiB | "
              "reserved + context MiB | err | predicted CPU MiB | CPU RSS MiB | err |", "|" + " --- |" * 11]
-    from launcher.planner import CUDA_CONTEXT_BYTES
+    from launcher.plan.planner import CUDA_CONTEXT_BYTES
 
     for r in res["rows"]:
         res_ctx = r["gpu_reserved"] + CUDA_CONTEXT_BYTES if r.get("gpu_reserved") else None

@@ -37,10 +37,14 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from launcher import availability, bench, calibrate, planner  # noqa: E402
-from launcher.config import ConfigError, load_config  # noqa: E402
-from launcher.hardware import probe  # noqa: E402
-from launcher.profiles import PROFILES  # noqa: E402
+from launcher.config.profiles import PROFILES  # noqa: E402
+from launcher.config.schema import ConfigError, load_config  # noqa: E402
+from launcher.machine.hardware import probe  # noqa: E402
+from launcher.measure import bench, calibrate
+from launcher.plan import (
+    availability,  # noqa: E402
+    planner,
+)
 
 # (name, model, seq_len, global batch, micro-batch, checkpointing: off | every2 | all, profile)
 GRID = [
@@ -77,7 +81,7 @@ CKPT = {"off": ["model.gradient_checkpointing=false"],
         "all": ["model.gradient_checkpointing=true", "model.checkpoint_every=1"]}
 
 # The GPU grid (--gpu): seq 512, on the card as it is and capped at the usable memory of a T4 and of an RTX 3090 as
-# torch reports them (launcher/gpus.py; the caps of scripts/gpu_bench.sh). "{p}": bf16 on compute capability >= 8,
+# torch reports them (launcher/plan/gpus.py; the caps of scripts/gpu_bench.sh). "{p}": bf16 on compute capability >= 8,
 # else fp16. Cheapest first, so a run cut short by a time box keeps the most points. A point's wall time is mostly
 # process start and engine set-up (plus, once, the calibration of a fresh host); llama-1b's CPU Adam is the longest.
 T4_GIB, RTX3090_GIB = 14.75, 23.69
@@ -102,7 +106,7 @@ def overrides(model: str, seq: int, gbs: int, micro: int, ckpt: str, device: str
 
 
 def gpu_points(hw) -> tuple[list[tuple], str]:
-    """The GPU grid at this card's 16-bit precision (bf16 from compute capability 8.0, as launcher.hardware decides),
+    """The GPU grid at this card's 16-bit precision (bf16 from compute capability 8.0, as launcher.machine.hardware decides),
     and that precision; bf16 where no GPU is seen (for --list)."""
     g = hw.gpu(0) if hw.has_cuda else None
     prec = "bf16" if g is None or g.bf16 else "fp16"
@@ -117,7 +121,7 @@ def point_overrides(point: tuple, device: str, sets: list[str]) -> list[str]:
 
 
 def cannot_run(ov: list[str], profile: str, hw) -> str | None:
-    """Why ``profile`` cannot run here at all (DeepSpeed not importable, no FSDP2), from launcher.availability."""
+    """Why ``profile`` cannot run here at all (DeepSpeed not importable, no FSDP2), from launcher.plan.availability."""
     cfg = load_config(None, [*ov, f"profile={profile}"])
     return availability.assess(cfg, hw).problems.get(profile)
 

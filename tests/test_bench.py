@@ -8,7 +8,7 @@ import os
 import pytest
 
 from helpers import has_deepspeed, needs_deepspeed, run_cli
-from launcher import bench
+from launcher.measure import bench
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SMALL = ["data.seq_len=32", "data.num_samples=128", "train.warmup_steps=1"]
@@ -41,7 +41,7 @@ def test_search_finds_the_largest_fitting_candidate_from_any_start():
 
 
 def test_candidates_and_failures():
-    from launcher.config import load_config
+    from launcher.config.schema import load_config
 
     assert bench.micro_batch_candidates(load_config(None, ["train.global_batch_size=24", "train.micro_batch_size=1"])) \
         == [1, 2, 4, 8]

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from helpers import needs_deepspeed, run_cli
-from launcher import calibrate, steptime
-from launcher.profiles import PROFILES
-from launcher.steptime import Machine, Rates
+from launcher.config.profiles import PROFILES
+from launcher.measure import calibrate
+from launcher.plan import steptime
+from launcher.plan.steptime import Machine, Rates
 
 
 def fake_machine(name: str = "cpu: test (2 threads)") -> Machine:
@@ -106,10 +107,12 @@ def test_another_key_is_another_file(tmp_path, monkeypatch):
 def test_writes_are_atomic(tmp_path, monkeypatch):
     calibrate.write(fake_machine("kept"), str(tmp_path))
 
-    def broken(*a, **k):
+    from launcher.machine import files
+
+    def broken(*a, **k):  # the write fails after the temporary file has bytes in it
         raise OSError("disk full")
 
-    monkeypatch.setattr(calibrate.json, "dump", broken)
+    monkeypatch.setattr(files.os, "fsync", broken)
     with pytest.raises(OSError):
         calibrate.write(fake_machine("lost"), str(tmp_path))
     assert os.listdir(tmp_path) == [os.path.basename(calibrate.cache_path(directory=str(tmp_path)))]
@@ -280,7 +283,7 @@ def test_calibrated_numbers_are_positive_and_sane(doctor_json):
 def test_deepspeed_engine_and_optimizers(tmp_path):
     """One DeepSpeed offload family and DeepSpeed's optimizers: measured where DeepSpeed imports (the family) and
     where the op is built already (each optimizer), else skipped with a reason."""
-    from launcher.hardware import cpu_adam_status
+    from launcher.machine.hardware import cpu_adam_status
 
     s = calibrate.Sizes.quick()
     s = calibrate.Sizes(**{**s.__dict__, "families": ("amp", "zero2_offload"), "deepspeed": True})

@@ -4,7 +4,7 @@ import os
 import pytest
 
 from helpers import ROOT, run_cli
-from launcher.config import Config, ConfigError, load_config
+from launcher.config.schema import Config, ConfigError, load_config
 
 
 def problems_of(*overrides, path=None):

@@ -7,9 +7,9 @@ import os
 import pytest
 
 from helpers.hf import make_model_dir, qa_records, write_jsonl
-from launcher.config import ConfigError, load_config
+from launcher.config.schema import ConfigError, load_config
 from launcher.data import load_data
-from launcher.models import load_tokenizer
+from launcher.model.build import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -173,8 +173,8 @@ def test_tokenizer_bigger_than_the_model(model_dir, tmp_path):
 
 
 def test_lora_targets_that_match_nothing_list_the_linear_layers(model_dir):
-    from launcher import lora
-    from launcher.models import model_config
+    from launcher.model import lora
+    from launcher.model.build import model_config
 
     cfg = load_config(None, [f"model.name={model_dir}", "lora.r=4", "lora.target_modules=q_proj,qkv,attn"])
     with pytest.raises(ConfigError) as e:
@@ -190,7 +190,7 @@ def test_lora_targets_that_match_nothing_list_the_linear_layers(model_dir):
 @pytest.mark.parametrize("bad", ["missing", "badline", "seq_len", "targets"])
 def test_bad_input_stops_before_the_run_directory(model_dir, tmp_path, bad):
     """Through train(): the error comes before anything is written to output_dir/run_name."""
-    from launcher.train import train
+    from launcher.training.loop import train
 
     good = write_jsonl(str(tmp_path / "good.jsonl"), qa_records(repeat=1))
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a", "response": "b"}\n{oops\n')
@@ -207,7 +207,7 @@ def test_bad_input_stops_before_the_run_directory(model_dir, tmp_path, bad):
 
 
 def test_sample_prompt_comes_from_the_data(model_dir, tmp_path):
-    from launcher import generate
+    from launcher.training import generate
 
     src = write_jsonl(str(tmp_path / "d.jsonl"), qa_records(repeat=1))
     data, tok = load(model_dir, src)

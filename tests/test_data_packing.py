@@ -11,10 +11,10 @@ import torch
 
 from helpers import compare, losses, needs_deepspeed, run_inprocess
 from helpers.hf import WORDS, make_model_dir, write_jsonl
-from launcher.config import load_config
+from launcher.config.schema import load_config
 from launcher.data import load_data
 from launcher.data.pack import deal, pack_blocks, plan_step, split_to
-from launcher.models import load_tokenizer
+from launcher.model.build import load_tokenizer
 
 TOL = 1e-5  # relative, per step, fp32 (issue 17)
 
@@ -171,7 +171,7 @@ def test_packed_equals_padded_on_deepspeed(arch, request, tmp_path):
 
 @pytest.mark.parametrize("arch", BOTH)
 def test_packed_equals_padded_on_fsdp(arch, request, tmp_path, monkeypatch):
-    from launcher.profiles import PROFILES, Profile
+    from launcher.config.profiles import PROFILES, Profile
 
     # fp32 FSDP exists for CPU tests only (tests/test_fsdp.py): bf16 is emulated and slow on most CPUs
     monkeypatch.setitem(PROFILES, "fsdp-fp32-offload", Profile("fsdp-fp32-offload", "fsdp", "fp32",
@@ -201,8 +201,8 @@ def test_meta_trace_of_packed_batch_equals_real_cpu_run():
     of a packed batch counts exactly what a real CPU run with packed position ids saves."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from launcher.memory.shape import build_meta_model
-    from launcher.memory.trace import measure_step
+    from launcher.plan.memory.shape import build_meta_model
+    from launcher.plan.memory.trace import measure_step
 
     torch.set_num_threads(1)
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
@@ -223,9 +223,9 @@ def test_meta_trace_of_packed_batch_equals_real_cpu_run():
 
 
 def test_plan_counts_the_packed_mask(llama, tmp_path):
-    from launcher import planner
     from launcher.data import settle_formats
-    from launcher.hardware import Hardware
+    from launcher.machine.hardware import Hardware
+    from launcher.plan import planner
 
     src = write_jsonl(str(tmp_path / "d.jsonl"), qa(8))
     hw = Hardware(gpus=[], ram_total_bytes=32 << 30, ram_available_bytes=32 << 30, deepspeed=None, bitsandbytes=None)
@@ -240,7 +240,7 @@ def test_plan_counts_the_packed_mask(llama, tmp_path):
 
 
 def test_resumed_packed_run_matches_uninterrupted(llama, tmp_path):
-    from launcher.faults import Hooks
+    from launcher.training.faults import Hooks
 
     src = write_jsonl(str(tmp_path / "d.jsonl"), qa(64))
     common = [f"model.name={llama}", f"data.source={src}", "data.seq_len=64", "train.max_steps=6",

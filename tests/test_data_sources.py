@@ -9,9 +9,9 @@ import os
 import pytest
 
 from helpers.hf import QA, make_model_dir, qa_records, write_jsonl
-from launcher.config import ConfigError, load_config
+from launcher.config.schema import ConfigError, load_config
 from launcher.data import load_data, load_splits, settle_formats
-from launcher.models import load_tokenizer
+from launcher.model.build import load_tokenizer
 
 
 @pytest.fixture(autouse=True)

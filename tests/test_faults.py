@@ -23,7 +23,8 @@ import zlib
 import pytest
 import torch
 
-from launcher import cli, dist
+from launcher import cli
+from launcher.machine import dist
 
 RUN = ["train.warmup_steps=1", "train.micro_batch_size=8", "train.global_batch_size=8", "data.seq_len=32",
        "data.num_samples=256", "sample_tokens=0", "log.every_steps=1000", "engine=amp", "device=cpu",
@@ -105,8 +106,8 @@ def metrics(run_dir) -> list[dict]:
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     """A completed run (6 steps, checkpoints at 2, 4, 6, final/) that each test copies."""
-    from launcher.config import load_config
-    from launcher.train import train
+    from launcher.config.schema import load_config
+    from launcher.training.loop import train
 
     root = tmp_path_factory.mktemp("finished")
     s = train(load_config(None, [*FINISHED, f"output_dir={root}", "run_name=done"]))
@@ -217,7 +218,7 @@ def test_launcher_variables_are_checked(capsys, monkeypatch, tmp_path, env, name
 
 
 def _tiny_dir(path, weights=True):
-    from launcher.presets import preset_config
+    from launcher.model.presets import preset_config
 
     cfg = preset_config("tiny")
     if weights:
@@ -278,7 +279,7 @@ def test_odd_model_directories(capsys, monkeypatch, tmp_path, case):
 def test_tune_refuses_an_out_file_it_could_not_write_before_measuring(capsys, monkeypatch, tmp_path):
     """``tune --out`` in a folder that does not exist (or naming a folder) is refused before the measurements,
     which take minutes and would end in a traceback when the file is written; nothing is written."""
-    from launcher import calibrate
+    from launcher.measure import calibrate
 
     monkeypatch.setattr(calibrate, "load_or_calibrate", lambda *a, **k: pytest.fail("measured before refusing"))
     (tmp_path / "a-folder").mkdir()
@@ -369,7 +370,7 @@ def test_refused_resumes_change_nothing(capsys, monkeypatch, tmp_path, done, cas
         extra = [f"checkpoint.resume={ckpt(run, 6)}"]
         names = ["engine.pt has", f"fix: checkpoint.resume={ckpt(run, 4)}"]
     else:  # files as the marker says, but not what the engine wrote: a loader's error, reported, nothing changed
-        from launcher import checkpoint
+        from launcher.training import checkpoint
 
         c = ckpt(run, 6)
         torch.save({"something": "else"}, os.path.join(c, "engine.pt"))
@@ -451,10 +452,10 @@ def test_disk_full(capsys, monkeypatch, tmp_path, at):
     """The run ends 'failed' (exit 1) with a message in MiB, a summary and the last good checkpoint; no
     partial file stays behind; nothing is written outside the run directory. A checkpoint on the way
     (first-checkpoint: step 2 of 4) is skipped with a warning instead, and the run completes."""
-    import launcher.train as train_mod
-    from launcher import rundir
+    import launcher.training.loop as train_mod
     from launcher.engines import amp
-    from launcher.faults import Hooks
+    from launcher.training import rundir
+    from launcher.training.faults import Hooks
 
     saves = []
 
@@ -521,12 +522,12 @@ def test_disk_full(capsys, monkeypatch, tmp_path, at):
 
 
 def test_write_atomic_leaves_no_partial_file_on_a_full_disk(tmp_path, monkeypatch):
-    from launcher import rundir
+    from launcher.machine import files
 
     (tmp_path / "summary.json").write_text('{"status": "completed"}\n')
-    monkeypatch.setattr(rundir.os, "fsync", enospc)
-    with pytest.raises(rundir.DiskFull, match=r"disk full: writing summary.json .*KiB"):
-        rundir.write_atomic(str(tmp_path / "summary.json"), "x" * 5000)
+    monkeypatch.setattr(files.os, "fsync", enospc)
+    with pytest.raises(files.DiskFull, match=r"disk full: writing summary.json .*KiB"):
+        files.write_atomic(str(tmp_path / "summary.json"), "x" * 5000)
     assert os.listdir(tmp_path) == ["summary.json"]
     assert (tmp_path / "summary.json").read_text() == '{"status": "completed"}\n'
 

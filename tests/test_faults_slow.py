@@ -52,8 +52,8 @@ def small_disk(tmp_path):
 def sizes(tmp_path_factory):
     """Bytes of one AMP checkpoint and of final/ for the RUN settings (measured, so the tmpfs sizes follow
     torch's serialization wherever the test runs)."""
-    from launcher.config import load_config
-    from launcher.train import train
+    from launcher.config.schema import load_config
+    from launcher.training.loop import train
 
     root = tmp_path_factory.mktemp("sizes")
     s = train(load_config(None, [*RUN, "train.max_steps=1", f"output_dir={root}", "run_name=r"]))
@@ -87,8 +87,8 @@ def fill(disk, leave: int) -> str:
 
 def train_here(disk, *args, hooks=None):
     """Train in this process (hooks fill the disk at a chosen step): the summary."""
-    from launcher.config import load_config
-    from launcher.train import train
+    from launcher.config.schema import load_config
+    from launcher.training.loop import train
 
     return train(load_config(None, [*RUN, f"output_dir={disk}", "run_name=r", *args]), hooks=hooks)
 
@@ -108,7 +108,7 @@ def test_disk_fills_mid_run_skips_a_checkpoint_then_stops_with_the_last_good_one
     """Room at the start; after step 3 another writer leaves half a checkpoint free: the checkpoint of step 4 is
     skipped with a warning, the last one (step 6) does not fit and the run fails with step 2's; with space
     freed, the same command resumes from it and completes, metrics going on from step 2."""
-    from launcher.faults import Hooks
+    from launcher.training.faults import Hooks
 
     mount, _ = small_disk
     disk = mount(20 * sizes["checkpoint"] + 2 * sizes["final"] + 8 * MiB)
@@ -131,7 +131,7 @@ def test_disk_fills_mid_run_skips_a_checkpoint_then_stops_with_the_last_good_one
 def test_disk_full_while_writing_final_keeps_the_checkpoint(small_disk, sizes, tmp_path):
     """final/ does not fit (the disk filled while the last checkpoint was written): the run is 'failed' with its last checkpoint;
     once there is room, the same command writes final/ from that checkpoint."""
-    from launcher.faults import Hooks
+    from launcher.training.faults import Hooks
 
     mount, _ = small_disk
     disk = mount(20 * sizes["checkpoint"] + 2 * sizes["final"] + 8 * MiB)
@@ -153,7 +153,7 @@ def test_trackers_disk_fills_mid_run_and_the_run_completes(small_disk, tmp_path)
     """The trackers write on their own disk (log.tracker_dir) and another writer fills it after step 2, so the
     first write that meets a full disk is TensorBoard's (from its writer thread, raised again at every later call
     and at close): the tracker is switched off with a warning and the run completes, its own files complete."""
-    from launcher.faults import Hooks
+    from launcher.training.faults import Hooks
 
     mount, _ = small_disk
     logs = mount(4 * MiB)
@@ -170,7 +170,8 @@ def test_trackers_disk_fills_mid_run_and_the_run_completes(small_disk, tmp_path)
 def test_deepspeed_checkpoint_on_a_full_disk(small_disk, tmp_path, monkeypatch):
     """DeepSpeed's torch.save reports a full disk as 'unexpected pos' or 'iostream error': still 'disk full'.
     (The checks before the run and before the write are turned off, so the write itself meets the full disk.)"""
-    from launcher import checkpoint, diskspace
+    from launcher.machine import diskspace
+    from launcher.training import checkpoint
 
     mount, _ = small_disk
     disk = mount(3 * MiB)
@@ -228,8 +229,8 @@ def test_lock_of_a_killed_process_is_taken_over(tmp_path):
 
 @pytest.fixture(scope="module")
 def ds_run(tmp_path_factory):
-    from launcher.config import load_config
-    from launcher.train import train
+    from launcher.config.schema import load_config
+    from launcher.training.loop import train
 
     root = tmp_path_factory.mktemp("ds")
     s = train(load_config(None, [*RUN, "engine=deepspeed", "profile=zero2-fp32", "train.max_steps=4",

@@ -9,8 +9,8 @@ import torch
 
 from helpers import compare, losses, needs_deepspeed, run_inprocess
 from helpers.hf import make_model_dir, qa_records, write_jsonl
-from launcher.config import ConfigError
-from launcher.faults import Hooks
+from launcher.config.schema import ConfigError
+from launcher.training.faults import Hooks
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def test_lora_amp_then_reload_and_merge(hf, amp_lora, tmp_path):
     """LoRA on AMP (with gradient checkpointing), with or without DeepSpeed installed: the loss falls, base
     weights stay bit-identical, the saved adapter reloads to the same logits, and the merged export loads with
     plain transformers and gives base + adapter's logits."""
-    from launcher.export import export
+    from launcher.model.export import export
 
     a, ra, cap = amp_lora
     assert a["status"] == "completed" and a["engine"] == "amp"
@@ -210,8 +210,8 @@ def test_4bit_cpu_packed_layout_fits_the_test_models(hf):
     import bitsandbytes.functional as F
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from launcher.presets import PRESETS
-    from launcher.quantize import quantize_in_place
+    from launcher.model.presets import PRESETS
+    from launcher.model.quantize import quantize_in_place
 
     models = [AutoModelForCausalLM.from_pretrained(hf[0]),
               AutoModelForCausalLM.from_config(LlamaConfig(**PRESETS["tiny"]))]
@@ -243,7 +243,7 @@ def test_4bit_packed_forward_agrees_with_the_plain_one(hf):
     import bitsandbytes.functional as F
     from transformers import AutoModelForCausalLM
 
-    from launcher.quantize import quantize_in_place
+    from launcher.model.quantize import quantize_in_place
 
     model = AutoModelForCausalLM.from_pretrained(hf[0])
     assert quantize_in_place(model, "4bit", "fp32", torch.device("cpu")) > 0
@@ -261,7 +261,7 @@ def test_4bit_packed_forward_agrees_with_the_plain_one(hf):
 def test_a_failing_sample_does_not_fail_the_run(hf, tmp_path, monkeypatch):
     """The sample after training is a courtesy: when it raises, the run is still completed, with final/, the
     last checkpoint and summary.json, and the summary says what went wrong."""
-    from launcher import generate
+    from launcher.training import generate
 
     def boom(*a, **k):
         raise RuntimeError("shape '[64, 2]' is invalid for input of size 160")
@@ -310,9 +310,9 @@ def test_preset_int8_lora_and_token_id_sample(tmp_path):
 
 
 def test_bitsandbytes_options_refuse_deepspeed_and_auto_picks_amp():
-    from launcher.config import load_config
-    from launcher.hardware import probe
-    from launcher.resolve import resolve
+    from launcher.config.schema import load_config
+    from launcher.machine.hardware import probe
+    from launcher.plan.resolve import resolve
 
     with pytest.raises(ConfigError, match="train on the AMP path only"):
         load_config(None, ["engine=deepspeed", "model.quantize=4bit", "lora.r=8"])

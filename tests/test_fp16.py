@@ -19,7 +19,7 @@ import signal
 import pytest
 
 from helpers import compare, losses, needs_deepspeed, oom_hook, overflow_at, run_inprocess
-from launcher.faults import Hooks
+from launcher.training.faults import Hooks
 
 OVERFLOWS = {2, 3, 7}  # 0-based steps, as the hooks count them
 EXPECTED_SCALES = [16, 16, 16, 8, 8, 8, 8, 4, 4, 4, 4, 8]
@@ -95,7 +95,7 @@ def test_deepspeed_fp16_matches_amp_fp16(deepspeed_fp16_on_cpu, runs, profile):
 @pytest.mark.extended  # a fresh environment JIT-builds async_io first (tests/test_nvme.py)
 @pytest.mark.parametrize("profile", ["zero3-fp16-offload-nvme-opt", "zero3-fp16-offload-nvme-all"])
 def test_deepspeed_fp16_on_nvme(deepspeed_fp16_on_cpu, runs, tmp_path, profile):
-    from launcher.hardware import async_io_status
+    from launcher.machine.hardware import async_io_status
 
     if async_io_status() != "usable":
         pytest.skip(f"DeepSpeed's async_io op is {async_io_status()}: NVMe offload cannot run here")

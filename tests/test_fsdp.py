@@ -16,7 +16,7 @@ import torch
 
 from helpers import FAST, ROOT, compare, losses, needs_deepspeed, run_cli, run_inprocess
 from helpers.procs import torchrun
-from launcher.profiles import PROFILES, Profile
+from launcher.config.profiles import PROFILES, Profile
 
 FP32 = "fsdp-fp32-offload"
 FP32_PROFILE = Profile(FP32, "fsdp", "fp32", offload_optimizer=True, offload_param=True, speed_rank=3)
@@ -103,7 +103,7 @@ def test_fp16_loss_scale_matches_amp(tmp_path):
     (2**17 in a run without injection), so only the injected steps overflow. The trajectory grows after 3 clean
     steps, the first overflow only uses up the hysteresis (2), the second halves, it grows again and the next
     overflow uses up the refilled hysteresis."""
-    from launcher.faults import Hooks
+    from launcher.training.faults import Hooks
 
     bad = {3, 4, 9}  # 0-based optimizer steps
 
@@ -134,7 +134,7 @@ def test_resume_matches_uninterrupted(runs):
     """SIGTERM at step 4 of 8: the loop finishes the step and writes a DCP checkpoint (model and AdamW shards
     per rank, scaler and client state beside them); the next run with the same run_name resumes it and the
     whole curve equals the uninterrupted run."""
-    from launcher.faults import Hooks
+    from launcher.training.faults import Hooks
 
     _, full = runs("fsdp-fp32-short", *SHORT)
     stop = Hooks(after_step=lambda step: step == 4 and os.kill(os.getpid(), signal.SIGTERM))
@@ -153,7 +153,7 @@ def oom_in_backward(at_steps):
     """Raise a fake OOM in the backward of decoder layer 2 during the second micro-batch of each step in
     ``at_steps``: FSDP is then mid-iteration (some units reduced, the embeddings not, the end-of-backward
     callback never run) and the step is half accumulated."""
-    from launcher.faults import Hooks
+    from launcher.training.faults import Hooks
 
     pending = list(at_steps)
 
@@ -215,7 +215,7 @@ def test_two_ranks_match_one_rank(runs, tmp_path):
     one, one_rows = runs("fsdp-fp32-short", *SHORT)
     assert one["accumulation"] == 2
     entry = tmp_path / "entry.py"  # launcher/run.py with the test-only fp32 profile registered
-    entry.write_text(f"import sys\nsys.path.insert(0, {ROOT!r})\nfrom launcher.profiles import PROFILES, Profile\n"
+    entry.write_text(f"import sys\nsys.path.insert(0, {ROOT!r})\nfrom launcher.config.profiles import PROFILES, Profile\n"
                      f"PROFILES[{FP32!r}] = {FP32_PROFILE!r}\nfrom launcher.cli import main\n"
                      "sys.exit(main(['train', *sys.argv[1:]]))\n")
     r = torchrun(2, str(entry), *FAST, *SHORT, "train.micro_batch_size=1", "device=cpu",
@@ -235,9 +235,9 @@ def test_auto_picks_fsdp_when_deepspeed_missing_and_offload_needed():
     needs ~6 GiB in AMP: more than the 2 GiB budget. With DeepSpeed installed its optimizer offload is the
     fastest that fits; without it, FSDP offload, and the reasons say why (the planner's numbers and
     DeepSpeed's absence)."""
-    from launcher.config import load_config
-    from launcher.hardware import GPUInfo, probe
-    from launcher.resolve import resolve
+    from launcher.config.schema import load_config
+    from launcher.machine.hardware import GPUInfo, probe
+    from launcher.plan.resolve import resolve
     from launcher.units import GiB
 
     hw = probe()

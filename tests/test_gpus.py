@@ -7,11 +7,11 @@ import os
 
 import pytest
 
-import launcher.hardware
+import launcher.machine.hardware
 from helpers import ROOT
-from launcher import gpus, planner
-from launcher.config import ConfigError, load_config
-from launcher.steptime import Machine, Rates
+from launcher.config.schema import ConfigError, load_config
+from launcher.plan import gpus, planner
+from launcher.plan.steptime import Machine, Rates
 from launcher.units import GiB
 
 
@@ -150,7 +150,7 @@ def test_without_a_calibration_an_op_costs_a_kernel_launch():
 
 @pytest.fixture(scope="module")
 def host_hw():
-    return launcher.hardware.probe()
+    return launcher.machine.hardware.probe()
 
 
 def test_hardware_has_the_card_and_the_ram_given(host_hw):
@@ -183,8 +183,8 @@ def test_planning_for_a_t4_picks_fp16_within_its_memory(host_hw):
 def test_the_docs_page_carries_the_catalogue():
     text = open(os.path.join(ROOT, "docs", "gpus.md")).read()
     body = text.split("<!-- gpus:start -->\n", 1)[1].split("\n<!-- gpus:end -->", 1)[0]
-    assert body == gpus.markdown_table(), ("docs/gpus.md: the table differs from launcher/gpus.py; fix: paste the output "
-                                           "of python -c 'from launcher import gpus; print(gpus.markdown_table())'")
+    assert body == gpus.markdown_table(), ("docs/gpus.md: the table differs from launcher/plan/gpus.py; fix: paste the output "
+                                           "of python -c 'from launcher.plan import gpus; print(gpus.markdown_table())'")
 
 
 @pytest.mark.parametrize("gpu,budget", [("RTX 3090", None), ("T4", 0.6), ("T4", 0.58)])

@@ -7,9 +7,9 @@ import os
 import pytest
 
 from helpers import compare, losses, needs_deepspeed, run_inprocess
-from launcher.faults import Hooks
-from launcher.profiles import PROFILES, Profile
-from launcher.rundir import tree_bytes
+from launcher.config.profiles import PROFILES, Profile
+from launcher.machine.files import tree_bytes
+from launcher.training.faults import Hooks
 
 FSDP32 = "fsdp-fp32-offload"  # test-only fp32 FSDP profile, as tests/test_fsdp.py: exact resume needs fp32
 FSDP32_PROFILE = Profile(FSDP32, "fsdp", "fp32", offload_optimizer=True, offload_param=True, speed_rank=3)
@@ -56,8 +56,8 @@ def test_lora_checkpoint_holds_only_adapters_and_resumes_exactly(tmp_path, monke
     assert cut["status"] == "interrupted" and cut["steps"] == 4
     names = weights_in(cut["checkpoint"])
     assert names and all("lora_" in n for n in names), sorted(n for n in names if "lora_" not in n)[:5]
-    from launcher.memory.shape import count_params
-    from launcher.presets import preset_config
+    from launcher.model.presets import preset_config
+    from launcher.plan.memory.shape import count_params
 
     counts = count_params(preset_config("tiny"), 8)  # the default model, which these runs train
     ckpt = tree_bytes(cut["checkpoint"])
@@ -94,9 +94,9 @@ def test_disk_too_small_is_refused_before_anything_is_written(tmp_path, monkeypa
 def test_plan_predicts_checkpoint_and_final_bytes():
     """The plan's bytes on disk per profile: a LoRA checkpoint is the adapters with Adam (12 B per trainable
     parameter; DeepSpeed 16-bit adds its 2-byte module copy and the fp32 master), never the base."""
-    from launcher.memory.shape import count_params
-    from launcher.memory.states import CHECKPOINT_EXTRA_BYTES, FINAL_EXTRA_BYTES, files_on_disk
-    from launcher.presets import preset_config
+    from launcher.model.presets import preset_config
+    from launcher.plan.memory.shape import count_params
+    from launcher.plan.memory.states import CHECKPOINT_EXTRA_BYTES, FINAL_EXTRA_BYTES, files_on_disk
 
     counts = count_params(preset_config("llama-125m"), 16, ("all-linear",))
     t = counts.adapters
@@ -155,7 +155,7 @@ def test_a_tracker_whose_writes_fail_is_switched_off_and_the_run_goes_on(tmp_pat
 def test_report_to_a_tracker_that_is_not_installed_is_refused(monkeypatch):
     import importlib.util
 
-    from launcher.config import ConfigError, load_config
+    from launcher.config.schema import ConfigError, load_config
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "wandb" else real(n, *a))
@@ -178,7 +178,7 @@ def test_eval_covers_the_split_once_and_reports_perplexity(tmp_path):
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    import launcher.train as train_mod
+    import launcher.training.loop as train_mod
 
     seen = []
     real = train_mod.evaluate
@@ -215,7 +215,7 @@ def test_keep_best_and_early_stopping_write_final_from_the_best(tmp_path, monkey
     import torch
     from safetensors.torch import load_file
 
-    import launcher.train as train_mod
+    import launcher.training.loop as train_mod
 
     script = iter([3.0, 2.0, 2.5, 2.6])
     monkeypatch.setattr(train_mod, "evaluate", lambda *a, **k: next(script))
@@ -238,7 +238,7 @@ def test_keep_best_and_early_stopping_write_final_from_the_best(tmp_path, monkey
     (["train.epochs=2", "train.max_steps=10"], ["train.epochs", "one of them sets the run's length"]),
 ])
 def test_bad_evaluation_settings_are_refused(args, words):
-    from launcher.config import ConfigError, load_config
+    from launcher.config.schema import ConfigError, load_config
 
     with pytest.raises(ConfigError) as e:
         load_config(None, args)
@@ -248,7 +248,7 @@ def test_bad_evaluation_settings_are_refused(args, words):
 
 
 def test_eval_split_that_leaves_too_little_training_data_is_refused(tmp_path):
-    from launcher.config import ConfigError
+    from launcher.config.schema import ConfigError
 
     with pytest.raises(ConfigError, match="fewer than one global batch"):
         run_inprocess(tmp_path, "run_name=small", "engine=amp", "data.num_samples=16", "data.eval_fraction=0.5",
@@ -259,8 +259,8 @@ def test_eval_split_that_leaves_too_little_training_data_is_refused(tmp_path):
 def test_epochs_set_the_steps_and_schedules_come_by_name(tmp_path):
     """train.epochs=0.25 over 256 samples of global batch 8 is 8 steps (auto warmup: 10% of them); a named
     schedule is transformers.get_scheduler's, and the lr the loop sets follows it."""
-    from launcher.config import load_config, with_epochs
-    from launcher.schedule import lr_at
+    from launcher.config.schema import load_config, with_epochs
+    from launcher.training.schedule import lr_at
 
     cfg = with_epochs(load_config(None, ["train.epochs=0.25", "train.global_batch_size=8"]), 256)
     assert cfg.train.max_steps == 8 and cfg.train.warmup_steps == 0

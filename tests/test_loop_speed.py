@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from helpers import ROOT, needs_deepspeed, run_cli, run_inprocess
-from launcher import hardware, threads
-from launcher.config import ConfigError, load_config
+from launcher.config.profiles import DS_DEFAULT_BUCKET, PROFILES, bucket_sizes, ds_config_template, resolve_ds_config
+from launcher.config.schema import ConfigError, load_config
 from launcher.engines.base import host_values, skip_nonfinite
-from launcher.faults import Hooks
-from launcher.profiles import DS_DEFAULT_BUCKET, PROFILES, bucket_sizes, ds_config_template, resolve_ds_config
-from launcher.steptime import optimizer_kind
+from launcher.machine import hardware, threads
+from launcher.plan.steptime import optimizer_kind
+from launcher.training.faults import Hooks
 
 # ---- bucket sizes
 
@@ -47,7 +47,7 @@ def test_resolved_config_has_the_profiles_bucket_and_no_optimizer_section():
 def test_planner_grows_the_bucket_into_what_the_setting_leaves():
     """One rank: the chosen setting keeps every gradient in one bucket when memory allows; with a budget just
     below that, a smaller bucket (still above hidden**2) and the same setting."""
-    from launcher import planner
+    from launcher.plan import planner
 
     base = ["device=cpu", "profile=zero2-fp32", "train.micro_batch_size=2", "train.global_batch_size=4",
             "data.seq_len=64", "model.gradient_checkpointing=false"]
@@ -64,7 +64,7 @@ def test_planner_grows_the_bucket_into_what_the_setting_leaves():
 
 
 def test_several_ranks_keep_hidden_squared_buckets():
-    from launcher import planner
+    from launcher.plan import planner
 
     cfg = load_config(None, ["device=cpu", "profile=zero2-fp32", "train.micro_batch_size=1",
                              "train.global_batch_size=4", "data.seq_len=32"], world=2)
@@ -267,17 +267,46 @@ def test_op_entry_points_reuse_one_build(tmp_path):
 # ---- model.compile and model.liger
 
 
-def test_liger_and_compile_are_refused_where_they_cannot_run():
-    from launcher import kernels
+def test_liger_is_refused_where_it_cannot_run():
+    from launcher.model import kernels
 
     cfg = load_config(None, ["model.liger=true", "model.compile=true"])
-    found = kernels.problems(cfg, "deepspeed", "cpu")
-    assert any(p.startswith("model.compile: got true with the DeepSpeed engine; rule:") and "fix: engine=amp" in p
-               for p in found)
-    assert any(p.startswith("model.liger: got true on device cpu; rule: Liger's kernels are Triton kernels for CUDA")
-               and "fix: model.liger=false" in p for p in found)
-    assert kernels.problems(cfg, "amp", "cpu") == [found[1]]  # compile is fine on the AMP path
-    assert kernels.problems(load_config(None, []), "deepspeed", "cpu") == []
+    [found] = kernels.problems(cfg, "cpu")
+    assert found.startswith("model.liger: got true on device cpu; rule: Liger's kernels are Triton kernels for CUDA")
+    assert "fix: model.liger=false" in found
+    assert kernels.problems(load_config(None, []), "cpu") == []
+
+
+def _compile_hw(deepspeed="0.19.8"):
+    from launcher.machine.hardware import Hardware
+
+    return Hardware(gpus=[], ram_total_bytes=32 << 30, ram_available_bytes=32 << 30, deepspeed=deepspeed,
+                    bitsandbytes=None)
+
+
+def test_compile_with_engine_auto_picks_a_path_that_compiles():
+    """One home for "can this run": model.compile rules DeepSpeed out in availability, so engine=auto on a host
+    with DeepSpeed picks AMP instead of choosing a ZeRO profile and refusing it later."""
+    from launcher.plan.resolve import resolve
+
+    plain = resolve(load_config(None, []), _compile_hw())
+    assert plain.engine == "deepspeed"  # the same host picks DeepSpeed when nothing rules it out
+    spec = resolve(load_config(None, ["model.compile=true"]), _compile_hw())
+    assert spec.engine == "amp", spec
+    assert any("model.compile=true" in r for r in spec.reasons), spec.reasons
+
+
+@pytest.mark.parametrize("asked,fix", [("engine=deepspeed", "fix: engine=auto"),
+                                       ("profile=zero2-fp32", "fix: profile=amp-fp32")])
+def test_compile_on_deepspeed_is_refused_with_the_fix(asked, fix):
+    from launcher.plan.resolve import resolve
+
+    with pytest.raises(ConfigError) as e:
+        resolve(load_config(None, ["model.compile=true", asked]), _compile_hw())
+    assert "model.compile=true compiles the model on the AMP and FSDP paths only" in str(e.value)
+    assert fix in str(e.value)
+    fixed = resolve(load_config(None, ["model.compile=true", fix.removeprefix("fix: ")]), _compile_hw())
+    assert fixed.engine == "amp"
 
 
 def test_liger_on_the_cpu_stops_before_the_run_directory(tmp_path):
@@ -293,8 +322,8 @@ def test_compiled_layers_train_like_plain_ones(tmp_path, engine):
     """model.compile=true on the CPU (inductor, about a minute of compilation on 2 cores): the same loss curve as
     the uncompiled model within 1e-3 relative (fused kernels reorder float arithmetic)."""
     from helpers import compare, losses
-    from launcher.faults import Hooks
-    from launcher.memory.shape import decoder_layers
+    from launcher.model.structure import decoder_layers
+    from launcher.training.faults import Hooks
 
     compiled = []  # per run: whether each decoder layer of the engine's model is compiled (the curves agree anyway)
 

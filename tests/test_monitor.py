@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import run_inprocess
-from launcher.monitor import CSV_COLUMNS, MemoryMonitor, MiB, detect_leak
+from launcher.training.monitor import CSV_COLUMNS, MemoryMonitor, MiB, detect_leak
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -90,7 +90,7 @@ def test_training_writes_timeline_peaks_png_and_reports_a_leak(tmp_path):
     def leak(step):
         kept.append(b"\x01" * (8 * MiB))  # touched pages, so RSS grows
 
-    from launcher.faults import Hooks
+    from launcher.training.faults import Hooks
 
     summary, rows = run_inprocess(tmp_path, "engine=amp", "run_name=m", "log.memory_interval_s=0.05",
                                   "log.leak_steps=6", "log.leak_mib=16", hooks=Hooks(after_step=leak))
@@ -112,7 +112,7 @@ def test_training_writes_timeline_peaks_png_and_reports_a_leak(tmp_path):
         assert s["gpu_allocated_bytes"] == ""  # no GPU
     assert {s["phase"] for s in samples} & {"forward", "backward", "step", "other"}
     # per-step, per-phase peaks in metrics.jsonl: RSS high-water marks on the CPU, GPU keys null
-    from launcher.monitor import _RssHighWater
+    from launcher.training.monitor import _RssHighWater
 
     resettable = _RssHighWater().resettable
     for r in rows:
@@ -169,7 +169,7 @@ def _lines(caplog) -> list[str]:
 
 
 def test_progress_plain_lines_when_off_or_not_a_terminal(vramfit_log):
-    from launcher.progress import Progress
+    from launcher.training.progress import Progress
 
     for mode in ("off", "auto"):  # pytest's stderr is not a terminal: auto means plain lines
         vramfit_log.clear()
@@ -184,7 +184,7 @@ def test_progress_plain_lines_when_off_or_not_a_terminal(vramfit_log):
 
 
 def test_progress_bar_when_on(capsys, vramfit_log):
-    from launcher.progress import Progress
+    from launcher.training.progress import Progress
 
     p = Progress(_cfg("on"), 2)
     assert p.bar is not None

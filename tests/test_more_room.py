@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from helpers import FAST, compare, losses, needs_deepspeed, run_cli, run_inprocess
-from launcher import planner
-from launcher.config import ConfigError, load_config
-from launcher.hardware import GPUInfo, Hardware
-from launcher.loss import HeadNotPlain, causal_lm_loss, chunk_rows, head_problem
-from launcher.memory.trace import measure_step
+from launcher.config.schema import ConfigError, load_config
+from launcher.machine.hardware import GPUInfo, Hardware
+from launcher.model.loss import HeadNotPlain, causal_lm_loss, chunk_rows, head_problem
+from launcher.plan import planner
+from launcher.plan.memory.trace import measure_step
 from launcher.units import GiB
 
 QUIET = ["log.memory_interval_s=0", "checkpoint.save=false"]
@@ -178,7 +178,7 @@ def test_real_cpu_run_saves_what_the_plan_says_at_a_128k_vocabulary():
     the meta trace's, chunked and plain; chunking cuts the head's peak by far more than 8x."""
     cfg = llama(vocab=128256, hidden=64, layers=2)
     model = real(cfg)
-    from launcher.memory.shape import build_meta_model
+    from launcher.plan.memory.shape import build_meta_model
 
     meta = build_meta_model(cfg, attn_implementation="eager").train()
     ids = torch.randint(0, cfg.vocab_size, (1, 48))
@@ -199,10 +199,10 @@ def test_real_cpu_run_saves_what_the_plan_says_at_a_128k_vocabulary():
 
 
 def count_chunked(monkeypatch) -> list:
-    """A list that grows by one each time a real loss is taken in chunks (launcher.loss arms the head for it;
+    """A list that grows by one each time a real loss is taken in chunks (launcher.model.loss arms the head for it;
     the planner's traces on the meta device are not counted): the chunked and the plain loss agree to rounding,
     so only this tells that a run chunked."""
-    from launcher import loss
+    from launcher.model import loss
 
     calls, armed = [], loss._armed_head
 
@@ -261,7 +261,7 @@ def test_chunked_loss_with_qlora(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("ckpt", ["false", "true"])
 def test_activation_offload_trains_exactly_like_the_plain_run(tmp_path, ckpt, monkeypatch):
-    from launcher import actoffload
+    from launcher.model import actoffload
 
     packed = {"offloaded": 0, "stayed": 0}  # every saved tensor the offload hook saw, by what it did with it
     stays = actoffload.stays
@@ -285,8 +285,8 @@ def test_activation_offload_trains_exactly_like_the_plain_run(tmp_path, ckpt, mo
 
 @pytest.mark.parametrize("ckpt", [False, True])
 def test_offloaded_bytes_traced_on_meta_equal_a_real_run(ckpt):
-    from launcher.memory.shape import build_meta_model
-    from launcher.memory.trace import enable_checkpointing
+    from launcher.plan.memory.shape import build_meta_model
+    from launcher.plan.memory.trace import enable_checkpointing
 
     cfg = llama(vocab=256)
     model = real(cfg)

@@ -8,9 +8,10 @@ import os
 import pytest
 
 from helpers import compare, losses, needs_deepspeed, run_cli, run_inprocess
-from launcher import planner, profiles
-from launcher.config import ConfigError, load_config
-from launcher.hardware import GPUInfo, Hardware, async_io_status
+from launcher.config import profiles
+from launcher.config.schema import ConfigError, load_config
+from launcher.machine.hardware import GPUInfo, Hardware, async_io_status
+from launcher.plan import planner
 from launcher.units import GiB
 
 QUIET = ["log.memory_interval_s=0"]
@@ -82,7 +83,7 @@ def test_nvme_path_problems_are_named_before_anything_runs(tmp_path):
 def test_nvme_profile_without_a_path_and_tmpfs_warning(tmp_path):
     with pytest.raises(ConfigError, match="without memory.nvme_path.*fix: memory.nvme_path="):
         load_config(None, ["profile=zero3-bf16-offload-nvme-opt"])
-    from launcher.resolve import resolve
+    from launcher.plan.resolve import resolve
 
     cfg = load_config(None, ["model.name=tiny", "data.seq_len=32", "train.micro_batch_size=2",
                              "train.global_batch_size=8", f"memory.nvme_path={tmp_path}"])
@@ -139,7 +140,7 @@ def test_nvme_offload_trains_like_zero3_cpu_offload_and_resumes(tmp_path):
     never the moments or what stays in memory (launcher.engines.deepspeed._resident_optimizer_state)."""
     import signal
 
-    from launcher.faults import Hooks
+    from launcher.training.faults import Hooks
 
     _, ref = run_inprocess(tmp_path, *QUIET, "profile=zero3-bf16-offload-all", "run_name=cpu", "checkpoint.save=false")
     nv = tmp_path / "nvme"
@@ -187,7 +188,7 @@ def test_a_checkpoint_missing_swap_files_is_refused_and_a_ladder_moves_onto_nvme
 
     from helpers import oom_hook
     from launcher.engines import deepspeed as ds_engine
-    from launcher.faults import Hooks
+    from launcher.training.faults import Hooks
 
     nv = tmp_path / "nvme"
     nv.mkdir()

@@ -12,13 +12,13 @@ import time
 import pytest
 import torch
 
-from launcher import advice, planner, report
-from launcher.config import load_config
-from launcher.hardware import GPUInfo, Hardware
-from launcher.memory.estimate import estimate_activations
-from launcher.memory.shape import build_meta_model, count_params
-from launcher.memory.trace import TraceSettings, enable_checkpointing, measure_step, trace_depth
-from launcher.targets import adapted as lora_target_names
+from launcher.config.schema import load_config
+from launcher.machine.hardware import GPUInfo, Hardware
+from launcher.model.targets import adapted as lora_target_names
+from launcher.plan import advice, planner, report
+from launcher.plan.memory.estimate import estimate_activations
+from launcher.plan.memory.shape import build_meta_model, count_params
+from launcher.plan.memory.trace import TraceSettings, enable_checkpointing, measure_step, trace_depth
 from launcher.units import GiB
 
 
@@ -77,7 +77,7 @@ def test_meta_trace_equals_real_cpu_run(arch, checkpointing, every):
     cfg = tiny_configs()[arch]
     real, meta = real_and_meta(cfg, checkpointing=checkpointing, every=every)
     if every > 1:
-        from launcher.checkpointing import checkpointed_layers
+        from launcher.model.checkpointing import checkpointed_layers
 
         assert checkpointed_layers(real) == checkpointed_layers(meta) == [True, False]
     for seq in (16, 48):
@@ -107,7 +107,7 @@ def test_checkpointing_keeps_layer_inputs_only():
 def test_plain_trace_after_checkpointed_one_is_plain(every):
     """The planner traces one cached meta model at every setting: a step without checkpointing after a
     checkpointed one is the step of a model never checkpointed (no leftover flag or input-grad hook)."""
-    from launcher.checkpointing import disable
+    from launcher.model.checkpointing import disable
 
     cfg = tiny_configs()["llama"]
     ids = torch.zeros(2, 48, dtype=torch.long, device="meta")
@@ -177,7 +177,7 @@ def test_every_kth_layer_composed_from_none_and_all(layers, every, lora, autocas
     the op record exactly, the peaks within the tolerance the planner checks once per model."""
     from transformers import LlamaConfig
 
-    from launcher.memory.estimate import COMPOSE_TOLERANCE, compose_every
+    from launcher.plan.memory.estimate import COMPOSE_TOLERANCE, compose_every
 
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2)
@@ -196,7 +196,7 @@ def test_composition_refused_where_it_does_not_hold():
     those settings are traced."""
     from transformers import GPT2Config
 
-    from launcher.memory.estimate import compose_every
+    from launcher.plan.memory.estimate import compose_every
 
     cfg = GPT2Config(vocab_size=128, n_embd=64, n_layer=6, n_head=4, n_positions=256)
     s = TraceSettings(batch_size=2, seq_len=64, lora_r=4, target="cpu", attention_kernel="flash",
@@ -207,7 +207,7 @@ def test_composition_refused_where_it_does_not_hold():
 def test_op_record_counts_the_work():
     """The time model's input: forward + backward matmul FLOPs are 6 x parameters x tokens for the linear
     layers (plus the attention kernel's); recompute adds the checkpointed layers' forward once more."""
-    from launcher.presets import preset_config
+    from launcher.model.presets import preset_config
 
     cfg = preset_config("tiny")
     s = TraceSettings(batch_size=2, seq_len=64, target="cpu", attention_kernel="flash")
@@ -246,7 +246,7 @@ def test_other_architectures_trace_on_meta():
 
 
 def test_seven_b_traces_in_seconds():
-    from launcher.presets import preset_config
+    from launcher.model.presets import preset_config
 
     trace_depth(preset_config("tiny"), 1, TraceSettings(batch_size=1, seq_len=8))  # imports, out of the timing
     t = time.perf_counter()
@@ -431,7 +431,7 @@ def test_micro_batch_extrapolation(checkpointing, autocast, attn):
     backward are exact; a segment's peak is exact unless its moment moves with the micro-batch (weight casts
     under autocast), and then a little low, which is why the planner re-traces the setting it keeps (the
     last assertion)."""
-    from launcher.memory.estimate import _batch_extrapolate
+    from launcher.plan.memory.estimate import _batch_extrapolate
 
     cfg = tiny_configs()["llama"]
     s = TraceSettings(batch_size=2, seq_len=48, autocast_dtype=autocast, gradient_checkpointing=checkpointing,
@@ -451,7 +451,7 @@ def test_micro_batch_extrapolation(checkpointing, autocast, attn):
 def test_chunked_loss_extrapolates_from_micro_batches_chunked_alike():
     """The chunked loss's ops change with the micro-batch (its chunks are rows of the batch): micro-batch 8 comes
     from 2 and 4, whose chunks are 8's scaled down, exactly; 6 has no two such below it and is traced."""
-    from launcher.memory.estimate import _batch_bases, _batch_extrapolate
+    from launcher.plan.memory.estimate import _batch_bases, _batch_extrapolate
 
     cfg = tiny_configs()["llama"]
     s = TraceSettings(batch_size=8, seq_len=48, gradient_checkpointing=True, attention_kernel="flash",

@@ -4,8 +4,8 @@ import os
 import pytest
 
 from helpers import needs_deepspeed, run_cli
-from launcher import profiles
-from launcher.profiles import PROFILES, find_auto, resolve_ds_config
+from launcher.config import profiles
+from launcher.config.profiles import PROFILES, find_auto, resolve_ds_config
 
 DS = [p for p in PROFILES.values() if p.is_deepspeed]
 

@@ -14,10 +14,10 @@ import torch
 
 from helpers import FAST, ROOT, compare, losses, needs_deepspeed, oom_hook, run_inprocess
 from helpers.procs import metrics_steps, started, vramfit
-from launcher.config import ConfigError
-from launcher.faults import Hooks
-from launcher.ladder import Rung, next_move
-from launcher.profiles import PROFILES
+from launcher.config.profiles import PROFILES
+from launcher.config.schema import ConfigError
+from launcher.plan.ladder import Rung, next_move
+from launcher.training.faults import Hooks
 
 STEPS = ["train.max_steps=12", "train.warmup_steps=2", "checkpoint.every_steps=4"]
 
@@ -65,9 +65,9 @@ def test_cli_sigterm_saves_and_exits_130(tmp_path):
 SLOW_SAVE_SCRIPT = """
 import sys, time
 sys.path.insert(0, {root!r})
-from launcher.config import load_config
-from launcher.faults import Hooks
-from launcher.train import train
+from launcher.config.schema import load_config
+from launcher.training.faults import Hooks
+from launcher.training.loop import train
 cfg = load_config(None, {overrides!r})
 train(cfg, hooks=Hooks(during_save=lambda path: (print("SAVING", flush=True), time.sleep(60))))
 """
@@ -93,9 +93,9 @@ def test_second_signal_exits_at_once(tmp_path):
 KILL_SCRIPT = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-from launcher.config import load_config
-from launcher.faults import Hooks
-from launcher.train import train
+from launcher.config.schema import load_config
+from launcher.training.faults import Hooks
+from launcher.training.loop import train
 cfg = load_config(None, {overrides!r})
 def during_save(path):
     if path.endswith("step-000008.tmp"):

@@ -1,10 +1,10 @@
-"""The CPU's in-step calibration (launcher.stepcal): its arithmetic, and one small measurement whose own
+"""The CPU's in-step calibration (launcher.measure.stepcal): its arithmetic, and one small measurement whose own
 prediction must come back near what was measured."""
 
 import pytest
 
-from launcher import calibrate, stepcal
-from launcher.steptime import Rates, op_seconds
+from launcher.measure import calibrate, stepcal
+from launcher.plan.steptime import Rates, op_seconds
 
 
 def test_matmul_flops_from_profiler_shapes():

@@ -11,12 +11,12 @@ import pytest
 from test_planner import fake_hw
 
 from helpers import run_inprocess
-from launcher import planner, steptime
-from launcher.config import load_config
-from launcher.memory.estimate import estimate_activations
-from launcher.memory.trace import TraceSettings
-from launcher.presets import preset_config
-from launcher.profiles import PROFILES
+from launcher.config.profiles import PROFILES
+from launcher.config.schema import load_config
+from launcher.model.presets import preset_config
+from launcher.plan import planner, steptime
+from launcher.plan.memory.estimate import estimate_activations
+from launcher.plan.memory.trace import TraceSettings
 
 
 def machine(device="cuda", op_s=2e-6, matmul=100e12, bw=1e12) -> steptime.Machine:
@@ -42,7 +42,7 @@ def ops(micro=2, seq=64, ckpt=False, every=1):
 
 
 def counts():
-    from launcher.memory.shape import count_params
+    from launcher.plan.memory.shape import count_params
 
     return count_params(preset_config("tiny"))
 
@@ -151,8 +151,8 @@ def test_every_second_layer_trains_on_every_engine(tmp_path, profile):
 
     if profile.startswith("zero") and not has_deepspeed():
         pytest.skip("DeepSpeed is not installed")
-    from launcher.checkpointing import _layers, checkpointed_layers
-    from launcher.faults import Hooks
+    from launcher.model.checkpointing import _layers, checkpointed_layers
+    from launcher.training.faults import Hooks
 
     seen = {}  # what the engine's model checkpoints, and how often each decoder layer ran
 
@@ -203,7 +203,7 @@ def test_the_runner_up_is_another_setting_when_the_buckets_grow():
 
 
 def test_costs_measured_in_steps_price_the_ops_of_their_precision():
-    """A CPU's in-step costs (launcher.stepcal) replace the looped op cost and bandwidth for steps of their
+    """A CPU's in-step costs (launcher.measure.stepcal) replace the looped op cost and bandwidth for steps of their
     precision, and add what a forward + backward pays once; other precisions keep the looped ones."""
     key = ("memory", "float32", 0, 1000)
     rates = dataclasses.replace(machine("cpu", op_s=1e-5, bw=1e9).compute,

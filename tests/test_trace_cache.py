@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-import launcher.memory.estimate as E
-import launcher.memory.trace as T
+import launcher.plan.memory.estimate as E
+import launcher.plan.memory.trace as T
 
 CFG = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   num_hidden_layers=3, vocab_size=256)
@@ -87,8 +87,8 @@ def test_traces_made_in_worker_processes_equal_those_made_here(monkeypatch):
 
 
 def test_a_bad_worker_count_is_refused(monkeypatch):
-    from launcher import tracestore
-    from launcher.config import ConfigError
+    from launcher.config.schema import ConfigError
+    from launcher.plan import tracestore
 
     monkeypatch.setenv("VRAMFIT_TRACE_WORKERS", "two")
     with pytest.raises(ConfigError, match="VRAMFIT_TRACE_WORKERS: got 'two'"):

@@ -1,4 +1,4 @@
-"""The planner's traces kept on disk (launcher/tracestore.py): read back equal, never trusted when damaged or
+"""The planner's traces kept on disk (launcher/plan/tracestore.py): read back equal, never trusted when damaged or
 made by other code, a second `vramfit plan` of the same model traces nothing, and a plan process leaves out
 what it does not use."""
 
@@ -14,10 +14,10 @@ import torch
 from transformers import LlamaConfig
 
 from helpers import run_cli
-from launcher import tracestore
-from launcher.memory import estimate, trace
-from launcher.memory.estimate import trace_at
-from launcher.memory.trace import TraceSettings
+from launcher.plan import tracestore
+from launcher.plan.memory import estimate, trace
+from launcher.plan.memory.estimate import trace_at
+from launcher.plan.memory.trace import TraceSettings
 
 CFG = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=1, max_position_embeddings=64)
@@ -137,8 +137,8 @@ def test_a_kept_plan_builds_no_model(tmp_path, monkeypatch):
     """The parameter counts and the chunked-loss check are kept with the traces: in a later process, a plan whose
     traces are all kept builds no meta model (a second and more with the import of its modeling code), and gets
     the same numbers; a kept value that does not read back is made again."""
-    from launcher import planner
-    from launcher.memory import shape
+    from launcher.plan import planner
+    from launcher.plan.memory import shape
 
     def new_process(store):
         shape._COUNT_CACHE.clear()

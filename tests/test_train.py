@@ -6,7 +6,7 @@ import os
 import pytest
 
 from helpers import compare, losses, needs_deepspeed, run_cli, run_inprocess
-from launcher.rundir import METRIC_KEYS, SUMMARY_KEYS
+from launcher.training.rundir import METRIC_KEYS, SUMMARY_KEYS
 
 ACCUM = ["train.micro_batch_size=2", "train.global_batch_size=8"]  # accumulation 4
 
@@ -99,7 +99,7 @@ def test_deepspeed_launcher_entry_accepts_local_rank(tmp_path):
 
 def test_existing_run_is_never_overwritten(tmp_path):
     run_inprocess(tmp_path, "engine=amp", "run_name=x", "train.max_steps=3", "train.warmup_steps=1")
-    from launcher.config import ConfigError
+    from launcher.config.schema import ConfigError
 
     with pytest.raises(ConfigError, match="already completed 3 steps"):
         run_inprocess(tmp_path, "engine=amp", "run_name=x", "train.max_steps=3", "train.warmup_steps=1")

@@ -16,8 +16,8 @@ import os
 import pytest
 
 from helpers import ROOT, compare, losses, needs_deepspeed, run_cli, run_inprocess
-from launcher.config import ConfigError, load_config
-from launcher.profiles import bucket_sizes, find_auto
+from launcher.config.profiles import bucket_sizes, find_auto
+from launcher.config.schema import ConfigError, load_config
 
 pytestmark = needs_deepspeed
 
@@ -106,9 +106,9 @@ def test_oom_ladder_keeps_the_users_config(tmp_path):
     its own settings; the ladder never swaps it for a catalogue profile."""
     import torch
 
-    from launcher.faults import Hooks
-    from launcher.ladder import Rung, next_move
-    from launcher.profiles import PROFILES
+    from launcher.config.profiles import PROFILES
+    from launcher.plan.ladder import Rung, next_move
+    from launcher.training.faults import Hooks
 
     fired = []
 
@@ -193,8 +193,8 @@ def test_refused_before_anything_is_written(tmp_path, name, change, extra, expec
 
 
 def resolve_with(tmp_path, cfg: dict, *overrides):
-    from launcher.hardware import probe
-    from launcher.resolve import resolve
+    from launcher.machine.hardware import probe
+    from launcher.plan.resolve import resolve
 
     c = load_config(None, [*CLI, f"output_dir={tmp_path / 'runs'}", f"deepspeed_config={write(tmp_path, cfg)}",
                            *overrides])
@@ -262,8 +262,8 @@ def test_plan_of_stage_1_and_of_explicit_buckets(tmp_path):
     """Stage 1 on one rank is planned with the stage-2 arithmetic (the same bytes as zero2-bf16 but for the
     buckets: "auto" in a user's JSON is Accelerate's hidden**2, the catalogue's one-rank bucket holds every
     gradient); explicit bucket sizes are what the plan counts (two reduce buffers, overlap_comm)."""
-    from launcher import planner
-    from launcher.hardware import probe
+    from launcher.machine.hardware import probe
+    from launcher.plan import planner
 
     hw = probe()
     cat = planner.plan(load_config(None, [*CLI, "profile=zero2-bf16"]), hw).get("zero2-bf16")
@@ -282,7 +282,7 @@ def test_plan_of_stage_1_and_of_explicit_buckets(tmp_path):
 
 
 def test_known_keys_come_from_deepspeed():
-    from launcher.user_ds_config import known_top_level_keys
+    from launcher.config.user_ds_config import known_top_level_keys
 
     keys = known_top_level_keys()
     assert {"zero_optimization", "optimizer", "scheduler", "fp16", "bf16", "gradient_clipping", "train_batch_size",

@@ -17,7 +17,6 @@ records as Arrow (deleted when tokenized) and the token ids in the smallest inte
 from __future__ import annotations
 
 import datetime
-import errno
 import fcntl
 import hashlib
 import json
@@ -29,11 +28,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from launcher import paths
-from launcher.config import ConfigError
+from launcher.config.schema import ConfigError
 from launcher.data.files import diagnose, locate, read_records
 from launcher.data.formats import INSTRUCTION, detect_format, id_dtype, tokenize_batch
 from launcher.data.sources import Source
 from launcher.log import logger
+from launcher.machine.files import is_disk_full, write_atomic
 
 CACHE_VERSION = 1  # bump when what a cache holds changes meaning
 MARKER = "vramfit.json"
@@ -68,10 +68,7 @@ def file_digest(path: str, root: str) -> str:
         digest = hashlib.file_digest(fh, "sha256").hexdigest()
     try:
         os.makedirs(os.path.dirname(memo), exist_ok=True)
-        tmp = f"{memo}.{os.getpid()}"
-        with open(tmp, "w") as fh:
-            json.dump({"path": os.path.abspath(path), "stamp": stamp, "sha256": digest}, fh)
-        os.replace(tmp, memo)
+        write_atomic(memo, json.dumps({"path": os.path.abspath(path), "stamp": stamp, "sha256": digest}), fsync=False)
     except OSError:
         pass  # a memo that cannot be written only costs the next start a re-read
     return digest
@@ -222,16 +219,6 @@ def _disk_need(src: Source) -> int:
     return int(raw * 1.6)  # + ids at 2 bytes per ~4 characters, offsets and masks
 
 
-def _is_disk_full(e: BaseException) -> bool:
-    while e is not None:
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if "No space left on device" in str(e):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
 def _disk_full_error(src: Source, root: str, need: int | None) -> ConfigError:
     free = shutil.disk_usage(root).free if os.path.isdir(root) else 0
     want = f", about {need / 2**20:.0f} MiB needed" if need else ""
@@ -316,7 +303,7 @@ def _build(src: Source, st: Settings, tokenizer, parent: str, final: str, tok_ke
                                      "template": st.template, "train_on_prompt": st.train_on_prompt},
                           new_fingerprint=f"vramfit-{tok_key}", cache_file_name=os.path.join(tmp, "tokens.arrow"))
         except Exception as e:
-            if _is_disk_full(e):
+            if is_disk_full(e, tmp):
                 raise
             problem = diagnose(src, st.encoding)  # a record the reader accepted but that cannot be decoded
             if problem:
@@ -350,7 +337,7 @@ def _build(src: Source, st: Settings, tokenizer, parent: str, final: str, tok_ke
         os.rename(tmp, final)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)  # a partial cache is never left to be used
-        if _is_disk_full(e):
+        if is_disk_full(e, root):
             raise _disk_full_error(src, root, need) from None
         raise
     return open_store(final)

@@ -15,7 +15,7 @@ import csv
 import json
 import os
 
-from launcher.config import ConfigError
+from launcher.config.schema import ConfigError
 from launcher.data.sources import Source, load_hub
 
 

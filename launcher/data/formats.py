@@ -21,7 +21,7 @@ import os
 
 import numpy as np
 
-from launcher.config import ConfigError
+from launcher.config.schema import ConfigError
 
 ALPACA_WITH_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further "
                      "context. Write a response that appropriately completes the request.\n\n"

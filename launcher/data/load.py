@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from launcher.config import Config, ConfigError
+from launcher.config.schema import Config, ConfigError
 from launcher.data.cache import Settings, tokenized
 from launcher.data.files import locate
 from launcher.data.formats import DROP_REASONS, TOO_LONG, template_text

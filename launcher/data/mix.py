@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from launcher.config import ConfigError
+from launcher.config.schema import ConfigError
 
 MAX_MIXTURE = 200_000_000  # samples; beyond that the weights ask to repeat a small source absurdly often
 

@@ -17,7 +17,7 @@ import os
 import re
 from dataclasses import dataclass, replace
 
-from launcher.config import Config, ConfigError, DataConfig, SourceConfig
+from launcher.config.schema import Config, ConfigError, DataConfig, SourceConfig
 from launcher.data.formats import INSTRUCTION, detect_format
 from launcher.log import logger
 

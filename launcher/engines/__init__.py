@@ -5,20 +5,20 @@
 
 from __future__ import annotations
 
-from launcher import user_ds_config
+from launcher.config import user_ds_config
+from launcher.config.profiles import resolve_ds_config
 from launcher.engines.amp import AmpEngine
 from launcher.engines.base import Levers, make_optimizer
 from launcher.engines.deepspeed import DeepSpeedEngine
 from launcher.engines.fsdp import FsdpEngine
-from launcher.hardware import Hardware, pin_memory_ok
 from launcher.log import logger
-from launcher.loss import liger_available
-from launcher.models import param_groups
-from launcher.profiles import resolve_ds_config
+from launcher.machine.hardware import Hardware, pin_memory_ok
+from launcher.model.build import param_groups
+from launcher.model.loss import liger_available
 
 
 def build(cfg, spec, model, hw: Hardware, hidden_size: int, lr: float):
-    """(engine, ds_config or None) for ``spec`` (a :class:`launcher.resolve.RunSpec`), optimizer at ``lr``."""
+    """(engine, ds_config or None) for ``spec`` (a :class:`launcher.plan.resolve.RunSpec`), optimizer at ``lr``."""
     groups = param_groups(model, cfg.train.weight_decay)
     t = cfg.train
     betas = (t.beta1, t.beta2)
@@ -96,7 +96,7 @@ def remove_stale_swap_folders(root: str) -> list[str]:
     import os
     import shutil
 
-    from launcher.rundir import tree_bytes
+    from launcher.machine.files import tree_bytes
 
     removed = []
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:

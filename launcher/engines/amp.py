@@ -22,7 +22,7 @@ from launcher.engines.base import (
     make_optimizer,
     torch_step,
 )
-from launcher.models import save_final
+from launcher.model.build import save_final
 
 
 class AmpEngine:

@@ -15,8 +15,8 @@ from typing import Protocol
 
 import torch
 
-from launcher.actoffload import offload_saved_tensors
-from launcher.loss import causal_lm_loss
+from launcher.model.actoffload import offload_saved_tensors
+from launcher.model.loss import causal_lm_loss
 from launcher.precision import autocast_dtype  # noqa: F401 (engines take it from here)
 
 
@@ -108,7 +108,7 @@ class Engine(Protocol):
 class Levers:
     """How an engine computes a micro-batch's loss and keeps its activations (the RunSpec decides them)."""
 
-    chunked_loss: bool = False  # head + cross-entropy in chunks of rows (launcher.loss)
+    chunked_loss: bool = False  # head + cross-entropy in chunks of rows (launcher.model.loss)
     liger: bool = False  # ... by Liger's fused kernel (CUDA, bf16/fp32, vramfit[kernels] installed)
     offload_activations: bool = False  # saved activations to CPU memory during the forward
     pin_memory: bool = False  # page-locked CPU copies (only on CUDA, when ulimit -l and RAM allow)
@@ -118,12 +118,12 @@ class Levers:
 def forward_loss(model, batch: dict, levers: Levers | None, autocast: torch.dtype | None = None) -> torch.Tensor:
     """The micro-batch's loss through ``model`` (whatever the engine calls), by one function for every engine.
 
-    Activation offload without checkpointing: :func:`launcher.actoffload.offload_saved_tensors` around the
+    Activation offload without checkpointing: :func:`launcher.model.actoffload.offload_saved_tensors` around the
     forward, so every activation autograd saves is copied to CPU memory as it is saved and back when backward
     needs it (the unpack hook is kept with each saved tensor, so backward needs no context). With
-    checkpointing, the model's checkpointed layers do the same for their inputs (launcher.checkpointing),
+    checkpointing, the model's checkpointed layers do the same for their inputs (launcher.model.checkpointing),
     which is all those layers keep. Both copy on the compute stream: each offloaded byte crosses PCIe twice
-    per micro-batch, priced by launcher.steptime."""
+    per micro-batch, priced by launcher.plan.steptime."""
     lv = levers or Levers()
     offload = lv.offload_activations and not lv.checkpointing
     ctx = offload_saved_tensors(lv.pin_memory) if offload else contextlib.nullcontext()
@@ -142,7 +142,7 @@ def make_optimizer(params_or_groups, *, lr: float, betas, eps: float, device: to
         import bitsandbytes as bnb
 
         return bnb.optim.AdamW8bit(params_or_groups, lr=lr, betas=betas, eps=eps), "bitsandbytes.optim.AdamW8bit"
-    if kind == "paged_adamw8bit":  # CUDA only: refused on a CPU before anything loads (launcher.availability)
+    if kind == "paged_adamw8bit":  # CUDA only: refused on a CPU before anything loads (launcher.plan.availability)
         import bitsandbytes as bnb
 
         return (bnb.optim.PagedAdamW8bit(params_or_groups, lr=lr, betas=betas, eps=eps),

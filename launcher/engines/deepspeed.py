@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO (stage 2 and 3, optimizer and parameter offload) behind the engine protocol.
 
-The config DeepSpeed receives is fully resolved by :func:`launcher.profiles.fill_auto` (no ``"auto"``), from
+The config DeepSpeed receives is fully resolved by :func:`launcher.config.profiles.fill_auto` (no ``"auto"``), from
 a catalogue profile or a user's ``deepspeed_config``; the loop owns the schedule and sets the lr on the
 optimizer's param groups each step.
 DeepSpeed wants ``engine.step()`` after every micro-batch; it only updates at the accumulation
@@ -15,11 +15,11 @@ import shutil
 
 import torch
 
-from launcher import dist
 from launcher.engines.base import Levers, StepResult, batch_to, forward_loss
-from launcher.hardware import clear_stale_op_locks, op_state, remember_cpu_info, use_env_ninja
 from launcher.log import logger
-from launcher.models import save_final
+from launcher.machine import dist
+from launcher.machine.hardware import clear_stale_op_locks, op_state, remember_cpu_info, use_env_ninja
+from launcher.model.build import save_final
 
 
 def restore_torch_functions() -> None:

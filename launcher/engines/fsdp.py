@@ -36,7 +36,6 @@ import os
 import torch
 import torch.distributed as dist
 
-from launcher import dist as ranks
 from launcher.engines.base import (
     Levers,
     LossScaler,
@@ -47,8 +46,9 @@ from launcher.engines.base import (
     make_optimizer,
     torch_step,
 )
-from launcher.memory.shape import base_model, decoder_layers
-from launcher.models import param_groups, save_final
+from launcher.machine import dist as ranks
+from launcher.model.build import param_groups, save_final
+from launcher.model.structure import base_model, decoder_layers
 
 
 def _mesh(device: torch.device):

@@ -21,7 +21,7 @@ FAST = ["train.max_steps=24", "train.warmup_steps=4", "train.micro_batch_size=2"
 
 
 def has_deepspeed() -> bool:
-    from launcher.hardware import deepspeed_status
+    from launcher.machine.hardware import deepspeed_status
 
     return deepspeed_status()[1] is None
 
@@ -31,8 +31,8 @@ needs_deepspeed = pytest.mark.skipif(not has_deepspeed(), reason="DeepSpeed is n
 
 def run_inprocess(tmp_path, *overrides, hooks=None, fast=True):
     """Train in this process; returns (summary, metrics rows)."""
-    from launcher.config import load_config
-    from launcher.train import train
+    from launcher.config.schema import load_config
+    from launcher.training.loop import train
 
     cfg = load_config(None, [*(FAST if fast else []), f"train.threads={THREADS}", f"output_dir={tmp_path}", "device=cpu",
                              *overrides])
@@ -81,7 +81,7 @@ def oom_hook(at_steps):
                     raise torch.OutOfMemoryError("CUDA out of memory (injected by test)")
 
             handle = engine.module().register_forward_pre_hook(pre)
-    from launcher.faults import Hooks
+    from launcher.training.faults import Hooks
 
     return Hooks(before_step=before_step)
 
@@ -104,7 +104,7 @@ def overflow_at(steps, factor=1e30):
     output head's input is multiplied by ``factor`` in the backward of the step's first micro-batch, so
     every gradient below the head is far beyond fp16's 65504 and the step must be skipped. The forward, and so
     the loss, is unchanged (the loss curves of two engines stay comparable at those steps)."""
-    from launcher.faults import Hooks
+    from launcher.training.faults import Hooks
 
     def before_step(step, engine):
         if step in steps:

@@ -1,0 +1,76 @@
+"""LoRA through ``peft``: the targets checked before anything is loaded, and the adapter applied.
+
+Which layers ``lora.target_modules`` names is :mod:`launcher.model.targets`' rule (the planner counts the same
+ones). Only adapter parameters require grad, so only they get gradients and optimizer state
+(``models.param_groups`` takes ``requires_grad`` parameters only). Quantized bases: :mod:`launcher.model.quantize`.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from launcher.config.schema import Config, ConfigError
+from launcher.log import logger
+from launcher.model import quantize, targets
+
+
+def resolve_targets(cfg: Config, model: torch.nn.Module) -> list[str]:
+    """``lora.target_modules`` -> module names for peft; a ConfigError for names that match no linear layer."""
+    wanted = list(cfg.lora.target_modules)
+    if targets.is_all_linear(wanted) and not targets.linear_modules(model):
+        raise ConfigError([f"lora.target_modules: {cfg.model.name!r} has no linear layers besides its output "
+                           "head; rule: LoRA adapts linear layers; fix: lora.r=0 (full fine-tune)"])
+    unknown = targets.unknown(model, wanted)
+    if unknown:
+        every = targets.linear_modules(model, head=True)
+        verb = "matches" if len(unknown) == 1 else "match"
+        raise ConfigError([f"lora.target_modules: {', '.join(map(repr, unknown))} {verb} no linear layer of "
+                           f"{cfg.model.name!r}; rule: names of linear modules (or a dotted suffix of one); the "
+                           f"model's linear layers are: {', '.join(targets.leaf_names(every))}; fix: "
+                           f"lora.target_modules=all-linear, or a subset of those names"])
+    return targets.for_peft(model, wanted)
+
+
+def check(cfg: Config, hf_config) -> list[str] | None:
+    """Before the run directory is made: bitsandbytes present when needed; LoRA targets exist (on a meta
+    model: no memory, no weights). Returns the resolved target names (None without LoRA)."""
+    if cfg.model.quantize != "none" or cfg.train.optimizer in ("adamw8bit", "paged_adamw8bit"):
+        quantize.require_bitsandbytes(cfg)
+    if not cfg.lora.r:
+        return None
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=cfg.model.trust_remote_code)
+    return resolve_targets(cfg, meta)
+
+
+# ----------------------------------------------------------------------------------------------
+# The adapter
+
+
+def apply_lora(cfg: Config, model: torch.nn.Module, base_name: str | None = None):
+    """Wrap ``model`` in a peft LoRA model: base frozen, adapters (fp32) trainable."""
+    from peft import LoraConfig, get_peft_model
+
+    names = resolve_targets(cfg, model)
+    lc = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout, target_modules=names,
+                    bias="none", task_type="CAUSAL_LM")
+    # autocast_adapter_dtype: adapters of a 16-bit base are made fp32, as the optimizer and GradScaler need.
+    with warnings.catch_warnings():  # peft asks a deprecated transformers property; nothing for the user to do
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        peft_model = get_peft_model(model, lc, autocast_adapter_dtype=True)
+    peft_model.peft_config["default"].base_model_name_or_path = base_name or cfg.model.name
+    n = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    logger.info(f"LoRA r={cfg.lora.r} alpha={cfg.lora.alpha:g} dropout={cfg.lora.dropout:g} on {', '.join(names)}: "
+                f"{n / 1e6:.3f}M trainable parameters")
+    return peft_model
+
+
+def base_name_for(cfg: Config) -> str:
+    """What an adapter records as its base: the absolute path of a local directory, else the name."""
+    path = os.path.abspath(os.path.expanduser(cfg.model.name))
+    return path if os.path.isdir(path) else cfg.model.name

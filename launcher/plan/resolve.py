@@ -1,0 +1,157 @@
+"""Decide once, before anything is loaded, how the run goes, into a frozen :class:`RunSpec`.
+
+:mod:`launcher.plan.availability` says what can run here (device, precision, profiles) and the planner which
+profile and micro-batch fit; this module combines them, checks the batch arithmetic and the host-RAM
+refusal, and keeps the reasons. The loop receives the RunSpec and never reads those decisions from the
+user's config again; the OOM ladder moves to a new RunSpec (:meth:`RunSpec.at`), never edits one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from launcher.config import user_ds_config
+from launcher.config.profiles import PROFILES, Profile
+from launcher.config.schema import AUTO, Config, ConfigError, accumulation_steps
+from launcher.machine.hardware import Hardware
+from launcher.plan import advice, availability, planner
+from launcher.plan.ladder import Rung
+from launcher.plan.steptime import Machine
+from launcher.units import gib
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    device: torch.device
+    precision: str
+    profile: Profile
+    micro_batch: int
+    accumulation: int
+    world: int
+    checkpointing: bool
+    checkpoint_every: int = 1  # with checkpointing: every k-th decoder layer recomputes
+    reasons: tuple[str, ...] = ()
+    plan: planner.Plan | None = field(default=None, compare=False)
+    usable: tuple[Profile, ...] = ()  # profiles the OOM ladder may move to, fastest first
+    user_ds: user_ds_config.UserDsConfig | None = None  # deepspeed_config: the user's JSON, "auto" still open
+    chunked_loss: bool = False  # head + cross-entropy in chunks (loss.chunked; launcher.model.loss)
+    offload_activations: bool = False  # saved activations in CPU memory (memory.offload_activations)
+
+    @property
+    def engine(self) -> str:
+        return self.profile.engine
+
+    @property
+    def rung(self) -> Rung:
+        return Rung(self.micro_batch, self.accumulation, self.checkpointing, self.profile.name, self.checkpoint_every)
+
+    def at(self, rung: Rung) -> RunSpec:
+        """The same run at another rung of the OOM ladder (or a resumed run's rung)."""
+        p = self.profile if rung.profile == self.profile.name else _with_buckets(
+            PROFILES[rung.profile], self.plan.get(rung.profile) if self.plan is not None else None)
+        return replace(self, profile=p, precision=p.precision, micro_batch=rung.micro_batch,
+                       accumulation=rung.accumulation, checkpointing=rung.checkpointing,
+                       checkpoint_every=rung.checkpoint_every)
+
+    def predicted(self, key: str):
+        """A number of the plan's row for the profile in use (None without a plan)."""
+        row = self.plan.get(self.profile.name) if self.plan is not None else None
+        return getattr(row, key) if row is not None else None
+
+
+def resolve(cfg: Config, hw: Hardware, world: int = 1, local_rank: int = 0, machine: Machine | None = None) -> RunSpec:
+    """The run, decided. ``machine``: this machine's calibration (:mod:`launcher.measure.calibrate`), so that the
+    planner chooses by predicted step time; without it, by speed ranks."""
+    avail = availability.assess(cfg, hw, local_rank)
+    reasons = [f"device {avail.device}", avail.precision_reason]
+    if cfg.memory.nvme_path and hw.nvme and hw.nvme.get("tmpfs"):
+        reasons.append(f"warning: memory.nvme_path={cfg.memory.nvme_path} is on {hw.nvme['fs_type']}, which is RAM in "
+                       "disguise: NVMe offload there takes the RAM it was meant to spare; fix: a folder on a real disk")
+    user = avail.user
+    if user is not None or cfg.profile != AUTO:
+        chosen = user.profile if user is not None else PROFILES[cfg.profile]
+        problem = avail.problems.get(chosen.name)
+        if problem:
+            alt = availability.assess(replace(cfg, profile=AUTO, engine=AUTO, precision=chosen.precision), hw,
+                                      local_rank).usable()
+            fix = f"profile={alt[0].name}" if alt else "profile=auto"
+            raise ConfigError([f"profile: got {cfg.profile!r}; rule: its engine must be usable here, but {problem}; "
+                               f"fix: {fix}" + (" or pip install 'vramfit[deepspeed]'" if "not installed" in problem
+                                                else "")])
+        plan = planner.plan(cfg, hw, [chosen.name], world=world, machine=machine)
+        if user is not None:
+            reasons.append(f"profile {chosen.name} from deepspeed_config {cfg.deepspeed_config}")
+            reasons += list(user.notices)
+        else:
+            reasons.append(f"profile {chosen.name} as asked")
+        row = plan.get(chosen.name)
+        if row is not None and not row.fits:
+            if row.cpu_bytes > plan.budget["cpu_bytes"]:  # a host OOM kill loses the run: refuse before loading
+                advice.add_suggestions(plan, cfg, hw, [chosen.name], world)
+                raise ConfigError([f"memory: profile {chosen.name} needs {gib(row.cpu_bytes)} of CPU RAM, the "
+                                   f"budget is {gib(plan.budget['cpu_bytes'])} ({plan.budget['cpu_source']}); "
+                                   "rule: planned host memory must fit, or the kernel kills the run; fix: "
+                                   + ("; ".join(plan.suggestions) if plan.suggestions else
+                                      "a profile that offloads less, LoRA (lora.r=16), or memory.cpu_budget=GiB "
+                                      "if RAM will be free")], "memory plan")
+            reasons.append(f"warning: the plan puts {chosen.name} over the GPU budget ({row.why_not}); the OOM ladder "
+                           "will step in if it runs out")
+    else:
+        order = avail.usable()
+        if not order:
+            raise availability.engine_error(cfg, avail)
+        plan = planner.plan(cfg, hw, [p.name for p in order], world=world, machine=machine)
+        if plan.chosen is None:
+            advice.add_suggestions(plan, cfg, hw, [p.name for p in order], world)
+            tips = "; ".join(plan.suggestions) or "a smaller model or more memory"
+            raise ConfigError([f"memory: no profile fits; {plan.reason}; fix: {tips}"], "memory plan")
+        chosen = PROFILES[plan.chosen]
+        reasons.append(f"profile {plan.chosen}: {plan.reason}")
+        why_engine = avail.engine_reason(chosen) if cfg.engine == AUTO else None
+        if why_engine:
+            reasons.append(why_engine)
+    micro = cfg.train.micro_batch_size
+    if micro == AUTO and user is not None and user.micro_batch:
+        micro = user.micro_batch
+        reasons.append(f"micro-batch {micro} from deepspeed_config")
+    elif micro == AUTO:
+        micro = plan.micro_batch or 1
+        reasons.append(f"micro-batch {micro} from the planner")
+    accumulation = accumulation_steps(cfg.train.global_batch_size, micro, world)
+    if user is not None:
+        # Every explicit value against the run's, and DeepSpeed's verdict on the filled config, before anything
+        # loads; pin_memory is decided with the model (engines.build) and does not change the verdict. Then the
+        # batch keys are opened, so the OOM ladder may halve the micro-batch (the global batch stays).
+        user_ds_config.resolve(user, user_ds_config.run_values(cfg, avail.precision, micro, accumulation, world,
+                                                               plan.model["hidden_size"], False, cfg.train.lr))
+        user, ladder = user.with_batch_auto(), ()  # a custom profile never moves to a catalogue one
+    else:
+        # The OOM ladder may move to any profile of this precision and engine that can run, offload included.
+        ladder = availability.assess(replace(cfg, profile=AUTO, precision=chosen.precision), hw,
+                                     local_rank).usable(allow_offload=True)
+    row = plan.get(chosen.name) if plan is not None else None
+    chosen = _with_buckets(chosen, row)
+    if row is not None and row.micro_batch == micro:  # the setting the planner chose (auto checkpointing included)
+        ckpt, every = row.checkpointing, row.checkpoint_every
+        chunked, offload = row.chunked_loss, row.offload_activations
+    else:
+        ckpt, every = cfg.model.gradient_checkpointing is True, int(cfg.model.checkpoint_every)
+        chunked, offload = cfg.loss.chunked == "on", cfg.memory.offload_activations == "on"
+    if cfg.loss.chunked == AUTO:
+        reasons.append(f"loss {'chunked' if chunked else 'not chunked'} from the planner"
+                       + ("" if chunked else f" (the logits stay under {planner.CHUNK_SHARE:.0%} of the budget)"))
+    if cfg.memory.offload_activations == AUTO and offload:
+        reasons.append("activations offloaded to CPU memory: the planner found nothing faster that fits")
+    if cfg.model.gradient_checkpointing == AUTO:
+        reasons.append(f"gradient checkpointing {'on' if ckpt else 'off'}"
+                       + (f" (every {every} layers)" if ckpt and every > 1 else "") + " from the planner")
+    return RunSpec(avail.device, avail.precision, chosen, micro, accumulation, world, ckpt, every if ckpt else 1,
+                   tuple(reasons), plan, tuple(ladder), user, chunked, offload)
+
+
+def _with_buckets(p: Profile, row) -> Profile:
+    """``p`` with the gradient bucket its plan row chose (DeepSpeed on one rank), so the engine gets it."""
+    size = getattr(row, "reduce_bucket_size", None)
+    return replace(p, reduce_bucket_size=size) if size and p.is_deepspeed and p.reduce_bucket_size is None else p

@@ -1,0 +1,312 @@
+"""The step-time model: how long one optimizer step of a planned run takes, by named part. Pure.
+
+A step is ``accumulation`` micro-batches of forward + backward, then the optimizer step. Its parts:
+
+- ``compute``: every op of one traced forward + backward (:mod:`launcher.plan.memory.trace` records each
+  dispatched ATen op with its FLOPs -- torch's own FLOP formulas, ``torch.utils.flop_counter`` -- and the
+  bytes it reads and writes), recompute of checkpointed layers included, priced by a roofline per op:
+  ``max(flops / matmul or attention rate, bytes / memory bandwidth)``, plus the fixed cost of an op in a
+  training step (dispatch, autograd, kernel launch; a view op costs its own smaller fixed cost). On a
+  CPU the fixed costs and the work add up (one thread of control does both); on a GPU the host runs
+  ahead of the device, so each op costs ``max(device time, host cost)``.
+- ``optimizer``: AdamW's update of every trainable parameter, priced per parameter and per tensor
+  by the measured speed of the optimizer the profile runs (torch fused AdamW, DeepSpeed's FusedAdam or
+  DeepSpeedCPUAdam), on the device the profile runs it on.
+- ``grad_copies`` / ``weight_copies``: what each profile moves between GPU and CPU (ZeRO-2 optimizer
+  offload: gradients down every micro-batch, the updated 16-bit weights up after the step; ZeRO-3
+  offload-all: 16-bit weights up for every forward and again for every backward, gradients down; FSDP2
+  CPU offload: each unit's fp32 shard up for forward and for backward, its fp32 gradient down), over
+  the measured host-device bandwidth (pinned or pageable, as the run pins). Which of them overlap
+  compute follows each engine's source (rules at :data:`OVERLAP`).
+- ``engine``: each engine's own fixed cost per micro-batch and per step (hooks, bucketing, bookkeeping),
+  measured on this machine by ``vramfit doctor --calibrate`` on models so small that nothing else costs.
+- ``memory_traffic``: the engine's own passes over gradients and weights on the compute device (ZeRO's
+  fp32 gradient copy, clipping, the copy of the fp32 master back to 16 bits; FSDP's per-unit casts).
+
+Every rate comes from :class:`Machine`: measured by ``vramfit doctor --calibrate`` (:mod:`launcher.measure.calibrate`)
+or, for a GPU that is not here, a data sheet (:mod:`launcher.plan.gpus`). Nothing is fitted to measured steps.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import asdict, dataclass, field
+
+from launcher.config.profiles import Profile
+
+# ------------------------------------------------------------------------------------------------
+# What a machine does per second
+
+
+@dataclass(frozen=True)
+class Rates:
+    """One device's speeds. ``matmul``: per dtype, (FLOPs of one matmul, FLOP/s reached), ascending in
+    FLOPs (small matmuls reach less of the peak; between points the rate is interpolated log-log)."""
+
+    device: str  # 'cpu' | 'cuda'
+    matmul: dict = field(default_factory=dict)  # dtype name -> [[flops, flop_per_s], ...]
+    attention: dict = field(default_factory=dict)  # dtype name -> flop/s of the fused attention kernel
+    memory_bytes_per_s: float = 1e10  # elementwise: bytes read + written per second
+    op_s: float = 0.0  # fixed cost of one kernel op inside a training step
+    view_s: float = 0.0  # fixed cost of one view op (no kernel)
+    # Measured inside training steps (a CPU, launcher.measure.stepcal), per precision of the step: {'op_s': fixed cost
+    # of a kernel op, 'bytes_per_s': elementwise rate, 'micro_s': what a forward + backward pays once}; where
+    # present they replace op_s and memory_bytes_per_s.
+    step_costs: dict = field(default_factory=dict)
+
+    def matmul_rate(self, dtype: str, flops: float) -> float:
+        curve = self.matmul.get(dtype) or self.matmul.get("float32") or [[1.0, 1e11]]
+        xs = [c[0] for c in curve]
+        i = bisect.bisect_left(xs, flops)
+        if i == 0:
+            return curve[0][1]
+        if i == len(curve):
+            return curve[-1][1]
+        (f0, r0), (f1, r1) = curve[i - 1], curve[i]
+        t = (math.log(flops) - math.log(f0)) / (math.log(f1) - math.log(f0))
+        return math.exp(math.log(r0) + t * (math.log(r1) - math.log(r0)))
+
+    def attention_rate(self, dtype: str) -> float:
+        if dtype in self.attention:
+            return self.attention[dtype]
+        return self.matmul_rate(dtype, float("inf"))
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The speeds the step-time model needs, for the machine that trains (or the GPU one would rent)."""
+
+    name: str  # e.g. 'cpu: AMD EPYC (2 threads)' or 'NVIDIA T4 (data sheet)'
+    source: str  # how the numbers were obtained, for the plan's assumptions
+    compute: Rates  # where forward and backward run
+    host: Rates  # the CPU (offloaded optimizer steps, host copies)
+    h2d_bytes_per_s: dict = field(default_factory=dict)  # {'pinned': B/s, 'pageable': B/s}
+    d2h_bytes_per_s: dict = field(default_factory=dict)
+    optimizers: dict = field(default_factory=dict)  # 'kind@device' -> [seconds per parameter, seconds per tensor]
+    # family -> {'micro_s', 'micro_tensor_s', 'micro_param_s', 'step_s', 'step_tensor_s', 'step_param_s'}
+    engines: dict = field(default_factory=dict)
+    disk_write_bytes_per_s: float | None = None
+    threads: int = 1
+    measured: dict = field(default_factory=dict)  # anything else recorded (dates, versions, raw samples)
+    # family -> measured / predicted step time, from `vramfit tune` on this machine (applied to later predictions)
+    corrections: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Machine:
+        d = dict(d)
+        d["compute"], d["host"] = Rates(**d["compute"]), Rates(**d["host"])
+        return cls(**d)
+
+
+# ------------------------------------------------------------------------------------------------
+# Which engine does what
+
+
+# Engine families for fixed costs and optimizer kinds.
+def family(p: Profile) -> str:
+    if p.engine == "deepspeed":
+        if p.zero_stage >= 3:
+            return "zero3_offload" if p.offload_param else "zero3"
+        return "zero2_offload" if p.offload_optimizer else "zero2"
+    return p.engine  # 'amp' | 'fsdp'
+
+
+def optimizer_kind(p: Profile, device: str, optimizer: str = "adamw") -> str:
+    """The key in :attr:`Machine.optimizers`: ``<optimizer>@<device it steps on>``, e.g.
+    ``torch_fused_adamw@cpu``, ``deepspeed_cpu_adam@cpu``, ``deepspeed_fused_adam@cuda``."""
+    if optimizer in ("adamw8bit", "paged_adamw8bit"):  # paging moves nothing while the GPU has room
+        return f"bnb_adamw8bit@{device}"
+    if p.engine == "deepspeed" and p.ds_optimizer:  # a user's JSON with an optimizer section: DeepSpeed's ops
+        if p.offload_optimizer:
+            return "deepspeed_cpu_adam@cpu"
+        return f"deepspeed_fused_adam@{device}"
+    if p.engine == "deepspeed":  # torch's fused AdamW as DeepSpeed's client optimizer, on the offloaded partitions
+        return "torch_fused_adamw@cpu" if p.offload_optimizer else f"torch_fused_adamw@{device}"
+    if p.engine == "fsdp":  # the CPU offload policy keeps shards, grads and moments on the CPU
+        return "torch_fused_adamw@cpu"
+    return f"torch_fused_adamw@{device}"
+
+
+# Which copies overlap compute, per engine (True: they run on a side stream while layers compute).
+OVERLAP = {
+    # DeepSpeed ZeRO-2 with overlap_comm (our profiles set it): gradients are reduced and, with optimizer
+    # offload, copied to pinned CPU buffers on a side stream as each bucket fills during backward
+    # (deepspeed/runtime/zero/stage_1_and_2.py, reduce_independent_p_g_buckets_and_remove_grads /
+    # async_inplace_copy_grad_to_fp32_buffer_from_gpu); the updated 16-bit weights are copied back after
+    # the optimizer step, outside backward, so that copy does not overlap.
+    "zero2_offload": {"grads": True, "weights": False},
+    # ZeRO-3 prefetches the next modules' parameters (stage3_prefetch_bucket_size) on a side stream while
+    # the current one computes, in forward and backward (deepspeed/runtime/zero/partitioned_param_coordinator.py);
+    # gradients leave on the reduction stream (stage3.py, overlap_comm).
+    "zero3_offload": {"grads": True, "weights": True},
+    # FSDP2 prefetches the next unit's all-gather (the H2D copy of its CPU shard) during the current
+    # unit's compute, forward and backward (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py,
+    # implicit prefetching), and offloads reduced gradients with non_blocking copies.
+    "fsdp": {"grads": True, "weights": True},
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# The prediction
+
+
+@dataclass
+class StepTime:
+    step_s: float
+    parts: dict  # part -> seconds per optimizer step (sums to step_s)
+    tokens_per_s: float
+    micro_batch_s: float  # one forward + backward, copies and fixed costs included
+    notes: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def op_seconds(ops: dict, rates: Rates, host_bound: bool, precision: str | None = None) -> tuple[float, float]:
+    """(seconds, of which fixed per-op costs) for a traced op record (see ``memory.trace.OpKey``) of a step in
+    ``precision`` (its in-step costs where the rates have them)."""
+    total = fixed = 0.0
+    costs = rates.step_costs.get(precision) if precision else None
+    op_s = costs["op_s"] if costs else rates.op_s
+    bandwidth = costs["bytes_per_s"] if costs else rates.memory_bytes_per_s
+    for (kind, dtype, flops, nbytes), count in ops.items():
+        if kind == "view":
+            t, f = rates.view_s, rates.view_s
+        else:
+            if kind == "matmul":
+                work = max(flops / rates.matmul_rate(dtype, flops), nbytes / bandwidth)
+            elif kind == "attention":
+                work = max(flops / rates.attention_rate(dtype), nbytes / bandwidth)
+            else:
+                work = nbytes / bandwidth
+            f = op_s
+            t = max(work, f) if host_bound else work + f
+        total += count * t
+        fixed += count * f
+    if costs:
+        total += costs.get("micro_s", 0.0)
+        fixed += costs.get("micro_s", 0.0)
+    return total, fixed
+
+
+def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int, accumulation: int,
+            seq_len: int, world: int = 1, pinned: bool = False, optimizer: str = "adamw",
+            lora: bool = False, activation_copy_bytes: int = 0, disk: dict | None = None) -> StepTime:
+    """Seconds per optimizer step of profile ``p`` on ``machine``. ``ops``: the traced op record of one
+    micro-batch's forward + backward at this micro-batch, checkpointing and precision; ``counts``: the
+    model's :class:`launcher.plan.memory.shape.ParamCounts`. ``activation_copy_bytes``: activation offload's bytes
+    copied to the CPU per micro-batch (the trace counts them); they come back in backward, and both copies
+    run on the compute stream (launcher.model.actoffload), so none of it overlaps compute. ``disk``: the swap
+    folder's measured speeds (``write_bytes_per_s``, ``read_bytes_per_s``; launcher.machine.hardware.probe_disk) for
+    ZeRO-Infinity profiles: the optimizer step reads and writes back the fp32 master, m and v (12 bytes per
+    trainable parameter), and with parameters on NVMe every forward and backward reads the 16-bit weights
+    and the step writes them back; DeepSpeed overlaps the swaps of one sub-group with the update of another,
+    which is not counted (the disk is priced as if alone)."""
+    on_gpu = machine.compute.device == "cuda"
+    cd = 4 if p.precision == "fp32" else 2
+    trainable = counts.adapters if lora else counts.total
+    base = counts.total
+    n_tensors = counts.trainable_tensors if hasattr(counts, "trainable_tensors") else 0
+    notes = []
+    compute, _fixed = op_seconds(ops, machine.compute, host_bound=on_gpu, precision=p.precision)
+    fam = family(p)
+    # a family measured at this precision (a CPU's DeepSpeed bf16, see calibrate.CPU_EXTRA), else at its own
+    eng = machine.engines.get(f"{fam}@{p.precision}") or machine.engines.get(fam) or machine.engines.get("amp") or {}
+    if fam not in machine.engines:
+        notes.append(f"no measured fixed costs for {fam}: those of amp stand in")
+    # per parameter: a micro-batch's passes touch every weight (casts, shards, hooks), the step's the trainable ones
+    full = base + (counts.adapters if lora else 0)
+    micro_fixed = (eng.get("micro_s", 0.0) + eng.get("micro_tensor_s", 0.0) * n_tensors
+                   + eng.get("micro_param_s", 0.0) * full)
+    step_fixed = eng.get("step_s", 0.0) + eng.get("step_tensor_s", 0.0) * n_tensors + eng.get("step_param_s", 0.0) * trainable
+    # Copies between the GPU and the CPU (on a CPU-only machine the same bytes move in host memory).
+    link = "pinned" if pinned else "pageable"
+    h2d = machine.h2d_bytes_per_s.get(link) or machine.host.memory_bytes_per_s
+    d2h = machine.d2h_bytes_per_s.get(link) or machine.host.memory_bytes_per_s
+    grads_down = weights_up_micro = weights_up_step = 0.0
+    traffic_micro = traffic_step = 0.0  # bytes of the engine's own passes on the compute device
+    host_traffic_step = 0.0
+    if fam == "zero2":
+        # contiguous_gradients: each gradient is copied into the bucket and from it into the partition
+        traffic_micro = 4 * cd * trainable
+        # fp32 copy of the flat gradient, its norm, unscale/clip, and the fp32 master copied back to 16 bits
+        traffic_step = (cd + 4 + 4 + 8 + 4 + cd) * trainable
+    elif fam == "zero2_offload":
+        grads_down = cd * trainable
+        traffic_micro = 2 * cd * trainable
+        host_traffic_step = (4 + 8) * trainable  # norm and clip of the fp32 gradients on the CPU
+        weights_up_step = cd * trainable
+    elif fam == "zero3_offload":
+        weights_up_micro = 2 * cd * (base + (counts.adapters if lora else 0))  # forward, and again in backward
+        grads_down = cd * trainable
+        host_traffic_step = (4 + 8 + 4 + cd) * trainable  # norm, clip, master -> 16-bit partition on the CPU
+    elif fam == "fsdp":
+        if on_gpu:
+            weights_up_micro = 2 * 4 * full  # each unit's fp32 shard for forward and for backward
+            grads_down = 4 * trainable
+            traffic_micro = 2 * (4 + cd) * full  # the cast to the compute dtype after each copy
+        else:  # the CPU mesh: nothing to copy, the casts remain
+            traffic_micro = 2 * (4 + cd) * full + (cd + 4) * trainable
+        host_traffic_step = (4 + 8) * trainable
+    elif fam == "amp":
+        traffic_step = (4 + 8) * trainable  # clip_grad_norm_: the norm, then the scale
+        if accumulation > 1:
+            traffic_micro = 12 * trainable * (accumulation - 1) / accumulation  # grad += (after the first)
+        if p.precision == "fp16":
+            traffic_step += 8 * trainable  # GradScaler.unscale_
+    # The engine's passes run between the step's own ops: at the elementwise rate measured inside steps where
+    # there is one (a CPU), else at the looped memory bandwidth.
+    mem = (machine.compute.step_costs.get(p.precision) or {}).get("bytes_per_s") or machine.compute.memory_bytes_per_s
+    host_mem = (machine.host.step_costs.get(p.precision) or {}).get("bytes_per_s") or machine.host.memory_bytes_per_s
+    t_grads = grads_down / d2h
+    t_weights_micro = weights_up_micro / h2d
+    t_activations = activation_copy_bytes / d2h + activation_copy_bytes / h2d
+    overlap = OVERLAP.get(fam, {})
+    fb = compute + traffic_micro / mem + micro_fixed
+    if on_gpu and overlap.get("weights") and overlap.get("grads"):
+        micro = max(fb, t_weights_micro + t_grads)
+        exposed_copies = max(0.0, micro - fb)
+    elif on_gpu and overlap.get("grads"):
+        micro = max(fb, t_grads) + t_weights_micro
+        exposed_copies = micro - fb
+    else:
+        micro = fb + t_grads + t_weights_micro
+        exposed_copies = t_grads + t_weights_micro
+    micro += t_activations
+    kind = optimizer_kind(p, machine.compute.device, optimizer)
+    stand_in = f"torch_fused_adamw@{kind.split('@')[1]}"
+    per_param, per_tensor = machine.optimizers.get(kind) or machine.optimizers.get(stand_in) or (0.0, 0.0)
+    if kind not in machine.optimizers:
+        notes.append(f"no measured speed for {kind}: {stand_in} stands in")
+    opt = trainable * per_param + n_tensors * per_tensor
+    t_weights_step = weights_up_step / h2d
+    t_disk_micro = t_disk_step = 0.0
+    if disk and getattr(p, "nvme", False):
+        wr = disk.get("write_bytes_per_s") or machine.disk_write_bytes_per_s or 1e9
+        rd = disk.get("read_bytes_per_s") or wr
+        if p.nvme_optimizer:
+            t_disk_step += 12 * trainable / rd + 12 * trainable / wr
+        if p.nvme_param:
+            t_disk_micro = 2 * cd * full / rd
+            t_disk_step += cd * full / wr
+        micro += t_disk_micro
+    t_weights_step += t_disk_step
+    step_extra = traffic_step / mem + host_traffic_step / host_mem + t_weights_step + step_fixed
+    parts = {"compute": compute * accumulation, "engine": (micro_fixed * accumulation + step_fixed),
+             "memory_traffic": traffic_micro / mem * accumulation + traffic_step / mem + host_traffic_step / host_mem,
+             "copies": exposed_copies * accumulation + t_weights_step, "optimizer": opt,
+             "activation_copies": t_activations * accumulation, "disk": (t_disk_micro * accumulation + t_disk_step)}
+    parts["copies"] -= t_disk_step
+    step = micro * accumulation + opt + step_extra
+    correction = machine.corrections.get(fam)
+    if correction:  # measured by `vramfit tune` on this machine: the model's error for this engine family
+        parts["tune_correction"] = step * (correction - 1)
+        step *= correction
+        notes.append(f"x{correction:.3g} from vramfit tune's measurements of {fam} on this machine")
+    parts = {k: v for k, v in parts.items() if v}  # they add up to the step: micro = fb + exposed copies
+    tokens = micro_batch * accumulation * world * seq_len
+    return StepTime(step_s=step, parts=parts, tokens_per_s=tokens / step, micro_batch_s=micro, notes=notes)
