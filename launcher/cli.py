@@ -70,7 +70,7 @@ def results_stdout():
 
 
 def cmd_doctor(args) -> int:
-    from launcher.machine import threads
+    from launcher.machine import speeds, threads
     from launcher.machine.hardware import format_report, probe
     from launcher.measure import calibrate
 
@@ -85,10 +85,10 @@ def cmd_doctor(args) -> int:
         hw.threads = threads.current()
     if args.calibrate:
         calibrate.calibration(force=True)  # measured now (under a minute) and cached
-    cal = calibrate.read()
+    cal = speeds.read()
     disk = output_disk(Config().output_dir)
     doc = {**hw.to_dict(), "calibration": cal.to_dict(), "output_disk": disk}
-    print(json.dumps(doc, indent=2) if args.json else format_report(hw) + "\n" + calibrate.format_report(cal)
+    print(json.dumps(doc, indent=2) if args.json else format_report(hw) + "\n" + speeds.format_report(cal)
           + f"\noutput disk: {disk['free_text']} free of {disk['total_text']} under {disk['output_dir']} "
           "(output_dir's default; `vramfit plan` sets a run's checkpoints and final/ against it)", file=out)
     return 0
@@ -137,7 +137,8 @@ def cmd_plan(args) -> int:
 
 def _plan(args) -> int:
     from launcher.config.schema import load_config
-    from launcher.machine import diskspace
+    from launcher.log import logger
+    from launcher.machine import diskspace, speeds
     from launcher.machine.hardware import probe, with_nvme
     from launcher.measure import calibrate
     from launcher.plan import advice, compare, gpus, planner, report
@@ -163,7 +164,9 @@ def _plan(args) -> int:
         machine = gpus.machine(spec, calibrate.load_or_calibrate())
         hw = gpus.hardware(spec, hw)
     else:  # this machine, priced when it has been calibrated (vramfit doctor --calibrate)
-        machine = calibrate.calibration(measure=False)
+        machine, why = speeds.cached()
+        if why:
+            logger.warning(why)
     plan = advice.add_suggestions(planner.plan(cfg, hw, world=world, machine=machine), cfg, hw, world=world)
     row = plan.chosen_plan
     disk = (diskspace.room(cfg.output_dir, row.checkpoint_bytes, row.final_bytes, cfg.checkpoint.keep_last)

@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from launcher.config.profiles import PROFILES  # noqa: E402
 from launcher.config.schema import ConfigError, load_config  # noqa: E402
+from launcher.machine import speeds
 from launcher.machine.hardware import probe  # noqa: E402
 from launcher.measure import bench, calibrate
 from launcher.plan import (
@@ -422,8 +423,8 @@ def main() -> int:
         print(f"validate_steptime: {e}", file=sys.stderr)
         return 2
     machine = calibrate.load_or_calibrate(force=a.recalibrate)
-    if os.path.exists(calibrate.cache_path()):  # the speeds every prediction here used, kept with the results
-        shutil.copyfile(calibrate.cache_path(), os.path.join(a.out, "calibration.json"))
+    if os.path.exists(speeds.cache_path()):  # the speeds every prediction here used, kept with the results
+        shutil.copyfile(speeds.cache_path(), os.path.join(a.out, "calibration.json"))
     doc.update(machine=machine.name, calibration_source=machine.source)
     t0 = time.perf_counter()
 

@@ -13,9 +13,10 @@ import torch
 
 from helpers import needs_deepspeed, run_cli
 from launcher.config.profiles import PROFILES
+from launcher.machine import speeds
+from launcher.machine.speeds import Machine, Rates
 from launcher.measure import calibrate
 from launcher.plan import steptime
-from launcher.plan.steptime import Machine, Rates
 
 
 def fake_machine(name: str = "cpu: test (2 threads)") -> Machine:
@@ -44,27 +45,27 @@ def measured(monkeypatch):
 def test_cache_round_trip(tmp_path, measured):
     first = calibrate.load_or_calibrate(directory=str(tmp_path))
     assert len(measured) == 1 and first == fake_machine()
-    path = calibrate.cache_path(directory=str(tmp_path))
+    path = speeds.cache_path(directory=str(tmp_path))
     assert os.path.exists(path) and [f for f in os.listdir(tmp_path)] == [os.path.basename(path)]
     again = calibrate.load_or_calibrate(directory=str(tmp_path))
     assert len(measured) == 1, "a usable cached calibration is not measured again"
     assert again == first
     assert calibrate.calibration(measure=False, directory=str(tmp_path)) == first
-    found = calibrate.read(directory=str(tmp_path))
-    assert found.problem is None and found.age_days < 0.01 and found.key == calibrate.machine_key()
+    found = speeds.read(directory=str(tmp_path))
+    assert found.problem is None and found.age_days < 0.01 and found.key == speeds.machine_key()
     assert calibrate.load_or_calibrate(force=True, directory=str(tmp_path)) == first and len(measured) == 2
 
 
 def test_no_calibration_without_measuring_is_none(tmp_path, measured):
     assert calibrate.calibration(measure=False, directory=str(tmp_path)) is None
     assert not measured and not os.listdir(tmp_path)
-    assert "none to use" in calibrate.format_report(calibrate.read(directory=str(tmp_path)))
+    assert "none to use" in speeds.format_report(speeds.read(directory=str(tmp_path)))
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "truncated"])
 def test_a_damaged_file_is_measured_again_with_a_message(tmp_path, measured, vramfit_log, damage):
-    calibrate.write(fake_machine("old"), str(tmp_path))
-    path = calibrate.cache_path(directory=str(tmp_path))
+    speeds.write(fake_machine("old"), str(tmp_path))
+    path = speeds.cache_path(directory=str(tmp_path))
     text = open(path).read()
     with open(path, "w") as fh:
         fh.write("not json {" if damage == "corrupt" else text[: len(text) // 2])
@@ -73,12 +74,12 @@ def test_a_damaged_file_is_measured_again_with_a_message(tmp_path, measured, vra
     assert not measured
     assert calibrate.load_or_calibrate(directory=str(tmp_path)) == fake_machine()
     assert len(measured) == 1 and "measuring this machine again" in vramfit_log.text
-    assert calibrate.read(directory=str(tmp_path)).problem is None  # the new one replaced it
+    assert speeds.read(directory=str(tmp_path)).problem is None  # the new one replaced it
 
 
 def test_a_stale_file_is_measured_again(tmp_path, measured, vramfit_log):
-    calibrate.write(fake_machine("old"), str(tmp_path), created=time.time() - 40 * 86400)
-    found = calibrate.read(stale_days=30, directory=str(tmp_path))
+    speeds.write(fake_machine("old"), str(tmp_path), created=time.time() - 40 * 86400)
+    found = speeds.read(stale_days=30, directory=str(tmp_path))
     assert found.machine is not None and "40 days old" in found.problem
     assert calibrate.calibration(measure=False, directory=str(tmp_path)) is None
     assert "40 days old" in vramfit_log.text
@@ -88,10 +89,10 @@ def test_a_stale_file_is_measured_again(tmp_path, measured, vramfit_log):
 
 
 def test_another_machines_file_is_not_used(tmp_path, measured, vramfit_log):
-    path = calibrate.cache_path(directory=str(tmp_path))
-    key = {**calibrate.machine_key(), "threads": 64}
+    path = speeds.cache_path(directory=str(tmp_path))
+    key = {**speeds.machine_key(), "threads": 64}
     with open(path, "w") as fh:
-        json.dump({"format": calibrate.FORMAT, "key": key, "created": time.time(),
+        json.dump({"format": speeds.FORMAT, "key": key, "created": time.time(),
                    "machine": fake_machine("elsewhere").to_dict()}, fh)
     assert calibrate.calibration(measure=False, directory=str(tmp_path)) is None
     assert "another machine" in vramfit_log.text and "threads" in vramfit_log.text
@@ -99,13 +100,13 @@ def test_another_machines_file_is_not_used(tmp_path, measured, vramfit_log):
 
 
 def test_another_key_is_another_file(tmp_path, monkeypatch):
-    a = calibrate.cache_path(directory=str(tmp_path))
-    monkeypatch.setattr(calibrate.torch, "get_num_threads", lambda: 977)
-    assert calibrate.cache_path(directory=str(tmp_path)) != a
+    a = speeds.cache_path(directory=str(tmp_path))
+    monkeypatch.setattr(speeds.torch, "get_num_threads", lambda: 977)
+    assert speeds.cache_path(directory=str(tmp_path)) != a
 
 
 def test_writes_are_atomic(tmp_path, monkeypatch):
-    calibrate.write(fake_machine("kept"), str(tmp_path))
+    speeds.write(fake_machine("kept"), str(tmp_path))
 
     from launcher.machine import files
 
@@ -114,17 +115,17 @@ def test_writes_are_atomic(tmp_path, monkeypatch):
 
     monkeypatch.setattr(files.os, "fsync", broken)
     with pytest.raises(OSError):
-        calibrate.write(fake_machine("lost"), str(tmp_path))
-    assert os.listdir(tmp_path) == [os.path.basename(calibrate.cache_path(directory=str(tmp_path)))]
-    assert calibrate.read(directory=str(tmp_path)).machine.name == "kept"
+        speeds.write(fake_machine("lost"), str(tmp_path))
+    assert os.listdir(tmp_path) == [os.path.basename(speeds.cache_path(directory=str(tmp_path)))]
+    assert speeds.read(directory=str(tmp_path)).machine.name == "kept"
 
 
 def test_corrections_are_kept_with_the_calibration(tmp_path):
-    calibrate.write(fake_machine(), str(tmp_path), created=time.time() - 86400)
-    before = calibrate.read(directory=str(tmp_path))
-    calibrate.save_corrections(before.machine, {"amp": 1.5}, str(tmp_path))
-    m = calibrate.save_corrections(before.machine, {"zero2": 0.8}, str(tmp_path))
-    after = calibrate.read(directory=str(tmp_path))
+    speeds.write(fake_machine(), str(tmp_path), created=time.time() - 86400)
+    before = speeds.read(directory=str(tmp_path))
+    speeds.save_corrections(before.machine, {"amp": 1.5}, str(tmp_path))
+    m = speeds.save_corrections(before.machine, {"zero2": 0.8}, str(tmp_path))
+    after = speeds.read(directory=str(tmp_path))
     assert after.machine.corrections == {"amp": 1.5, "zero2": 0.8} == m.corrections
     assert after.created == before.created  # still the age of the measurement
 

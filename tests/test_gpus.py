@@ -10,8 +10,8 @@ import pytest
 import launcher.machine.hardware
 from helpers import ROOT
 from launcher.config.schema import ConfigError, load_config
+from launcher.machine.speeds import Machine, Rates
 from launcher.plan import gpus, planner
-from launcher.plan.steptime import Machine, Rates
 from launcher.units import GiB
 
 

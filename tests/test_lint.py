@@ -21,3 +21,20 @@ def test_ruff_is_clean():
     r = subprocess.run([os.path.join(BIN, "ruff"), "check", "launcher", "tests", "scripts"], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+def test_no_function_of_the_loop_or_engines_is_longer_than_a_screenful_and_a_half():
+    """The loop reads as prepare -> fit -> finish; a function past ~130 lines is a sign of two ideas in one."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "launcher"
+    long = []
+    for folder in ("training", "engines"):
+        for path in sorted((root / folder).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > 130:
+                        long.append(f"{path.relative_to(root)}:{node.name} ({lines} lines)")
+    assert not long, long

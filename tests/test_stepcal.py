@@ -3,8 +3,9 @@ prediction must come back near what was measured."""
 
 import pytest
 
+from launcher.machine.speeds import Rates
 from launcher.measure import calibrate, stepcal
-from launcher.plan.steptime import Rates, op_seconds
+from launcher.plan.steptime import op_seconds
 
 
 def test_matmul_flops_from_profiler_shapes():

@@ -9,12 +9,18 @@ from launcher.config import user_ds_config
 from launcher.config.profiles import resolve_ds_config
 from launcher.engines.amp import AmpEngine
 from launcher.engines.base import Levers, make_optimizer
-from launcher.engines.deepspeed import DeepSpeedEngine
+from launcher.engines.deepspeed import DeepSpeedEngine, restore_torch_functions
 from launcher.engines.fsdp import FsdpEngine
 from launcher.log import logger
 from launcher.machine.hardware import Hardware, pin_memory_ok
 from launcher.model.build import param_groups
 from launcher.model.loss import liger_available
+
+
+def restore_globals() -> None:
+    """Undo what an engine changed for the whole process (ZeRO-3's ``torch.nn.functional.linear``), also where the
+    engine failed to build or was never closed: later work in the process (a trace, another run) sees plain torch."""
+    restore_torch_functions()
 
 
 def build(cfg, spec, model, hw: Hardware, hidden_size: int, lr: float):

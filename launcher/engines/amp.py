@@ -20,6 +20,7 @@ from launcher.engines.base import (
     batch_to,
     forward_loss,
     make_optimizer,
+    move_in_place,
     torch_step,
 )
 from launcher.model.build import save_final
@@ -81,6 +82,9 @@ class AmpEngine:
 
     def close(self) -> None:
         """Nothing outlives this engine but what the loop drops."""
+
+    def apply_move(self, move, offload_activations: bool) -> None:
+        move_in_place(self, move, offload_activations)
 
     def portable_state(self) -> dict:
         out = {}

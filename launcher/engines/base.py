@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
 
 from launcher.model.actoffload import offload_saved_tensors
+from launcher.model.build import enable_checkpointing
 from launcher.model.loss import causal_lm_loss
+from launcher.plan.ladder import Move
 from launcher.precision import autocast_dtype  # noqa: F401 (engines take it from here)
 
 
@@ -88,11 +90,17 @@ class Engine(Protocol):
     def reset_micro_batch(self, micro_batch: int, accumulation: int) -> None:
         """Drop a half-accumulated step (after an OOM or a NaN loss) and go on with a new micro-batch."""
 
+    def apply_move(self, move: Move, offload_activations: bool) -> None:
+        """Go on in place one rung down the OOM ladder (a smaller micro-batch, checkpointing on every layer); only
+        where ``resets_in_place`` (the others are rebuilt from :meth:`portable_state`). ``offload_activations``: the
+        run's; the checkpointed layers then keep their inputs in CPU memory."""
+
     def portable_state(self) -> dict:
         """{parameter name: {'param', 'exp_avg', 'exp_avg_sq'}} as full fp32 CPU tensors, to rebuild an engine."""
 
     def close(self) -> None:
-        """Release what would outlive the object (library hooks, buffers) before it is replaced."""
+        """Release what would outlive the object (library hooks, buffers, what it changed for the whole process)
+        before it is replaced."""
 
     def loss_scale_state(self) -> dict | None:
         """The fp16 loss scale and where its rule stands (:class:`ScaleRule`'s fields), None without fp16."""
@@ -113,6 +121,18 @@ class Levers:
     offload_activations: bool = False  # saved activations to CPU memory during the forward
     pin_memory: bool = False  # page-locked CPU copies (only on CUDA, when ulimit -l and RAM allow)
     checkpointing: bool = False  # with checkpointing transformers offloads the layer inputs itself
+
+
+def move_in_place(engine, move: Move, offload_activations: bool) -> None:
+    """:meth:`Engine.apply_move` of the engines that reset in place (AMP, FSDP): drop the half-accumulated step;
+    with checkpointing newly on, wrap the model's layers, and activation offload rides on them from now on."""
+    engine.reset_micro_batch(move.to.micro_batch, move.to.accumulation)
+    if move.kind == "checkpointing":
+        levers = engine.levers
+        enable_checkpointing(engine.module(), move.to.checkpoint_every, offload_activations,
+                             levers is not None and levers.pin_memory)
+        if levers is not None:
+            engine.levers = replace(levers, checkpointing=True)
 
 
 def forward_loss(model, batch: dict, levers: Levers | None, autocast: torch.dtype | None = None) -> torch.Tensor:

@@ -149,10 +149,15 @@ class DeepSpeedEngine:
         self.engine.zero_grad()
         self._micro = 0
 
+    def apply_move(self, move, offload_activations: bool) -> None:
+        raise NotImplementedError("a DeepSpeed engine is rebuilt down the OOM ladder (resets_in_place is False)")
+
     def close(self) -> None:
         """Release what DeepSpeed keeps beyond this object (hooks, optimizer buffers), so that the memory of
-        an engine being replaced (OOM ladder) is free before the next one is built; and its NVMe swap files."""
+        an engine being replaced (OOM ladder) is free before the next one is built; its NVMe swap files; and
+        ZeRO-3's replacement of torch.nn.functional.linear."""
         self.engine.destroy()
+        restore_torch_functions()
         if self.swap_folder:
             shutil.rmtree(self.swap_folder, ignore_errors=True)
             _SWAP_FOLDERS.discard(self.swap_folder)

@@ -44,6 +44,7 @@ from launcher.engines.base import (
     batch_to,
     forward_loss,
     make_optimizer,
+    move_in_place,
     torch_step,
 )
 from launcher.machine import dist as ranks
@@ -234,6 +235,9 @@ class FsdpEngine:
     # ---- moving to another engine (OOM ladder) and back
     def close(self) -> None:
         """Nothing outlives this engine but what the loop drops."""
+
+    def apply_move(self, move, offload_activations: bool) -> None:
+        move_in_place(self, move, offload_activations)
 
     def portable_state(self) -> dict:
         """fp32 weights and Adam moments by parameter name, full and on the CPU of every rank. Collective."""

@@ -1,4 +1,4 @@
-"""This machine's speeds for the step-time model (:class:`launcher.plan.steptime.Machine`), measured in under a
+"""This machine's speeds for the step-time model (:class:`launcher.machine.speeds.Machine`), measured in under a
 minute by ``vramfit doctor --calibrate`` and cached per machine.
 
 What is measured, on the training device (the GPU when torch sees one, else the CPU) and, on a GPU host,
@@ -59,10 +59,8 @@ contended CPU is warned about. It costs 43-46 s on a 2-core Xeon at two threads
 (``scripts/bench_calibration.py``), over half of it the CPU's rates (most of those the in-step reference
 steps), and about 400 MiB of RAM (2 GiB of GPU memory).
 
-The cache: one JSON per machine key (device name, driver and CUDA versions, CPU model, threads, torch and
-DeepSpeed versions) under :func:`launcher.paths.cache_root` (``~/.cache/vramfit`` by default), written
-atomically. A stale, corrupt, truncated or mismatched file is said so in the log and measured again, or
-ignored where measuring is not wanted (:func:`calibration` with ``measure=False``: the caller goes on without speeds).
+What is measured is cached per machine by :mod:`launcher.machine.speeds`, which a training start reads
+without importing anything here; :func:`calibration` measures again when the cache is absent or unusable.
 """
 
 from __future__ import annotations
@@ -70,34 +68,30 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import hashlib
-import json
 import os
 import platform
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from launcher import engines
 from launcher.config.profiles import PROFILES
 from launcher.config.schema import load_config
-from launcher.engines.deepspeed import restore_torch_functions
 from launcher.log import logger
-from launcher.machine.files import write_atomic
+from launcher.machine import speeds
 from launcher.machine.hardware import deepspeed_status, op_state, pin_memory_ok, probe, remember_cpu_info, use_env_ninja
+from launcher.machine.speeds import Machine, Rates
 from launcher.measure import stepcal
-from launcher.paths import cache_root
 from launcher.plan import planner
 from launcher.plan.availability import profile_problem
 from launcher.plan.memory.trace import measure_step
 from launcher.plan.resolve import RunSpec
-from launcher.plan.steptime import Machine, Rates, op_seconds, predict
+from launcher.plan.steptime import op_seconds, predict
 from launcher.precision import supports_bf16, supports_fp16, weight_dtype
 
-FORMAT = 2  # of the cache file; another value is measured again
 MiB = 1 << 20
 FAMILIES = ("amp", "zero2", "zero2_offload", "zero3_offload", "fsdp")  # steptime.family names measured here
 # Measured again at another precision on a CPU, kept as 'family@precision': DeepSpeed's bf16 path (16-bit
@@ -178,130 +172,27 @@ def nonneg_lstsq(rows: list[list[float]], ys: list[float]) -> list[float]:
             best, best_err = coef, err
     return best
 
-# ------------------------------------------------------------------------------------------------
-# The cache
-
-
-def cache_dir() -> str:
-    return cache_root()
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
-
-
-def machine_key() -> dict:
-    """What the numbers depend on: a calibration taken with another value of any of these is not used."""
-
-    key = {"device": "cpu", "driver": None, "cuda": torch.version.cuda, "cpu": cpu_model(),
-           "threads": torch.get_num_threads(), "torch": torch.__version__,
-           "deepspeed": deepspeed_status()[0]}  # its engines' fixed costs change with its version
-    if torch.cuda.is_available():
-        key["device"] = torch.cuda.get_device_name(0)
-        get_driver = getattr(torch._C, "_cuda_getDriverVersion", None)  # the driver's CUDA version, e.g. 12040
-        key["driver"] = get_driver() if get_driver else None
-    return key
-
-
-def cache_path(key: dict | None = None, directory: str | None = None) -> str:
-    key = key or machine_key()
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return os.path.join(directory or cache_dir(), f"machine-{digest}.json")
-
-
-@dataclass
-class Cached:
-    """A cache file read back: the machine, or why there is none to use (``problem``)."""
-
-    path: str
-    machine: Machine | None = None
-    created: float | None = None  # unix time of the measurement
-    problem: str | None = None  # absent, corrupt, truncated, another machine's, stale
-    key: dict = field(default_factory=dict)
-
-    @property
-    def age_days(self) -> float | None:
-        return None if self.created is None else (time.time() - self.created) / 86400
-
-    def to_dict(self) -> dict:
-        return {"path": self.path, "created": _date(self.created) if self.created else None,
-                "age_days": None if self.age_days is None else round(self.age_days, 2), "problem": self.problem,
-                "summary": summary(self.machine) if self.machine else None,
-                "machine": self.machine.to_dict() if self.machine else None}
-
-
-def _date(t: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M", time.localtime(t))
-
-
-def read(stale_days: float = 30, directory: str | None = None) -> Cached:
-    """The cached calibration of this machine, or why there is none to use (nothing is logged here)."""
-    key = machine_key()
-    path = cache_path(key, directory)
-    out = Cached(path=path, key=key)
-    if not os.path.exists(path):
-        out.problem = f"no calibration of this machine in {os.path.dirname(path)}"
-        return out
-    try:
-        with open(path) as fh:
-            doc = json.load(fh)
-        if doc.get("format") != FORMAT:
-            out.problem = f"{path} is of format {doc.get('format')!r}, this vramfit writes {FORMAT}"
-            return out
-        if doc.get("key") != key:
-            diff = {k: (doc.get("key", {}).get(k), v) for k, v in key.items() if doc.get("key", {}).get(k) != v}
-            out.problem = f"{path} was measured on another machine or setup (file, now: {diff})"
-            return out
-        machine = Machine.from_dict(doc["machine"])
-        created = float(doc["created"])
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-        out.problem = f"{path} is corrupt or truncated ({type(e).__name__}: {e})"
-        return out
-    out.machine, out.created = machine, created
-    if out.age_days > stale_days:
-        out.problem = f"{path} is {out.age_days:.0f} days old (stale after {stale_days:g})"
-    return out
-
-
-def write(machine: Machine, directory: str | None = None, created: float | None = None) -> str:
-    """Cache ``machine`` as this machine's calibration: a temporary file in the same folder, then a rename,
-    so a reader never sees half a file."""
-    key = machine_key()
-    path = cache_path(key, directory)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    doc = {"format": FORMAT, "key": key, "created": created or time.time(), "machine": machine.to_dict()}
-    write_atomic(path, json.dumps(doc, indent=1))
-    return path
-
-
 def calibration(measure: bool = True, *, stale_days: float = 30, force: bool = False, directory: str | None = None,
                 sizes: Sizes | None = None, output_dir: str | None = None) -> Machine | None:
     """This machine's :class:`Machine`: the cached one when it is usable, else measured now and cached
-    (``measure=True``) or None (``measure=False``: the caller goes on without speeds). ``force``: measure now."""
+    (``measure=True``) or None (``measure=False``: :func:`launcher.machine.speeds.cached`). ``force``: measure now."""
+    if not measure:
+        if force:
+            return None
+        machine, why = speeds.cached(stale_days, directory)
+        if why:
+            logger.warning(why)
+        return machine
     if not force:
-        found = read(stale_days, directory)
+        found = speeds.read(stale_days, directory)
         if found.problem is None:
             return found.machine
-        absent = found.machine is None and not os.path.exists(found.path)
-        if not measure:
-            (logger.debug if absent else logger.warning)(
-                f"calibration not used: {found.problem}; `vramfit doctor --calibrate` measures this machine")
-            return None
-        if absent:
+        if found.machine is None and not os.path.exists(found.path):
             logger.info("no calibration of this machine yet: measuring it now (about a minute, once)")
         else:
             logger.warning(f"calibration not used: {found.problem}; measuring this machine again")
-    elif not measure:
-        return None
     machine = calibrate(sizes, output_dir=output_dir)
-    path = write(machine, directory)
+    path = speeds.write(machine, directory)
     logger.info(f"calibration cached in {path}")
     return machine
 
@@ -309,17 +200,6 @@ def calibration(measure: bool = True, *, stale_days: float = 30, force: bool = F
 def load_or_calibrate(stale_days: float = 30, force: bool = False, **kw) -> Machine:
     """The cached calibration, measured first (under a minute) when there is none to use."""
     return calibration(True, stale_days=stale_days, force=force, **kw)
-
-
-def save_corrections(machine: Machine, corrections: dict, directory: str | None = None) -> Machine:
-    """Keep ``vramfit tune``'s measured / predicted ratios (family -> factor) with this machine's calibration,
-    merged over earlier ones; a new calibration starts without them (its model is a new one)."""
-    found = read(float("inf"), directory)
-    base = found.machine or machine
-    merged = {**getattr(base, "corrections", {}), **corrections}
-    out = dataclasses.replace(base, corrections=merged)
-    write(out, directory, created=found.created)
-    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -863,7 +743,7 @@ def _engines(machine: Machine, device: torch.device, s: Sizes, raw: dict, skippe
                     skipped[f"engine {fam}"] = f"{p.name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                     del families[fam]
                 finally:
-                    restore_torch_functions()  # ZeRO-3 replaces torch.nn.functional.linear for the whole process
+                    engines.restore_globals()  # ZeRO-3 replaces torch.nn.functional.linear for the whole process
                     seconds[fam] += time.perf_counter() - t
     out = {}
     for fam, p in families.items():
@@ -922,7 +802,7 @@ def calibrate(sizes: Sizes | None = None, output_dir: str | None = None) -> Mach
     h2d, d2h = part("copies", lambda: _copies(gpu, s, raw, skipped))
     optimizers = part("optimizers", lambda: _optimizers(gpu, s, raw, skipped))
     threads = torch.get_num_threads()
-    cpu = f"cpu: {cpu_model()} ({threads} threads)"
+    cpu = f"cpu: {speeds.cpu_model()} ({threads} threads)"
     name = f"{torch.cuda.get_device_name(0)}, host {cpu}" if gpu else cpu
     machine = Machine(name=name, source="", compute=compute, host=host, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
                       optimizers=optimizers, threads=threads)
@@ -938,82 +818,10 @@ def calibrate(sizes: Sizes | None = None, output_dir: str | None = None) -> Mach
         except Exception:  # noqa: BLE001 -- not installed
             versions[mod] = None
     now = time.time()
-    measured = {"date": _date(now), "seconds": round(time.perf_counter() - start, 1), "parts_s": seconds,
+    measured = {"date": speeds.date_text(now), "seconds": round(time.perf_counter() - start, 1), "parts_s": seconds,
                 "load_average_before": [round(x, 2) for x in load_before],
                 "load_average_after": [round(x, 2) for x in os.getloadavg()], "cores": cores, "versions": versions,
-                "key": machine_key(), "sizes": dataclasses.asdict(s), "skipped": skipped, "samples": raw}
+                "key": speeds.machine_key(), "sizes": dataclasses.asdict(s), "skipped": skipped, "samples": raw}
     logger.info(f"calibrate: {name} measured in {measured['seconds']:.0f} s")
     return dataclasses.replace(machine, engines=engine_costs, disk_write_bytes_per_s=disk, measured=measured,
-                               source=f"calibrated {_date(now)} on {name}")
-
-
-# ------------------------------------------------------------------------------------------------
-# What doctor shows
-
-
-def summary(m: Machine) -> dict:
-    """The headline numbers: matmul TFLOPS per dtype at the largest size measured, memory GB/s, op and view
-    cost in microseconds, the costs measured inside steps per precision (a CPU), copy GB/s, optimizer seconds
-    per 100M parameters, engine fixed costs in ms."""
-    def rates(r: Rates) -> dict:
-        return {"matmul_tflops": {k: _sig(c[-1][1] / 1e12) for k, c in r.matmul.items() if c},
-                "matmul_largest_flops": {k: c[-1][0] for k, c in r.matmul.items() if c},
-                "attention_tflops": {k: _sig(v / 1e12) for k, v in r.attention.items()},
-                "memory_gb_s": _sig(r.memory_bytes_per_s / 1e9), "op_us": _sig(r.op_s * 1e6),
-                "view_us": _sig(r.view_s * 1e6),
-                "in_step": {k: {"op_us": _sig(v["op_s"] * 1e6), "elementwise_gb_s": _sig(v["bytes_per_s"] / 1e9),
-                                "once_per_micro_batch_ms": _sig(v.get("micro_s", 0.0) * 1e3)}
-                            for k, v in r.step_costs.items()}}
-
-    out = {"name": m.name, "source": m.source, "threads": m.threads, m.compute.device: rates(m.compute)}
-    if m.host.device != m.compute.device:
-        out["cpu"] = rates(m.host)
-    out["copy_gb_s"] = {f"{d}_{k}": _sig(v / 1e9) for d, links in (("h2d", m.h2d_bytes_per_s), ("d2h", m.d2h_bytes_per_s))
-                        for k, v in links.items()}
-    out["optimizer_s_per_100m_params"] = {k: _sig(v[0] * 1e8) for k, v in m.optimizers.items()}
-    out["engines_ms"] = {k: {f: _sig(x * 1e3) for f, x in v.items()} for k, v in m.engines.items()}
-    out["disk_write_gb_s"] = _sig(m.disk_write_bytes_per_s / 1e9) if m.disk_write_bytes_per_s else None
-    if getattr(m, "corrections", None):
-        out["corrections"] = dict(m.corrections)
-    return out
-
-
-def _sig(x: float) -> float:
-    return float(f"{x:.4g}")
-
-
-def format_report(found: Cached) -> str:
-    if found.machine is None:
-        return f"calibration: none to use ({found.problem}); `vramfit doctor --calibrate` measures it, about a minute"
-    m, sm = found.machine, summary(found.machine)
-    head = f"calibration: {m.name}, {_date(found.created)} ({found.age_days:.1f} days old), {found.path}"
-    lines = [head + (f"\n  NOT USED: {found.problem}" if found.problem else "")]
-    for dev in ("cuda", "cpu"):
-        r = sm.get(dev)
-        if not r:
-            continue
-        mm = ", ".join(f"{k} {v:.3g}" for k, v in r["matmul_tflops"].items())
-        att = ", ".join(f"{k} {v:.3g}" for k, v in r["attention_tflops"].items())
-        lines.append(f"  {dev}: matmul TFLOPS at the largest size: {mm}; attention TFLOPS: {att or 'n/a'}")
-        lines.append(f"  {dev}: memory {r['memory_gb_s']:.3g} GB/s; per kernel op {r['op_us']:.3g} us, per view "
-                     f"{r['view_us']:.3g} us")
-        for prec, c in r["in_step"].items():
-            lines.append(f"  {dev} inside {prec} steps: per kernel op {c['op_us']:.3g} us, elementwise "
-                         f"{c['elementwise_gb_s']:.3g} GB/s, {c['once_per_micro_batch_ms']:.3g} ms once per micro-batch")
-    lines.append("  copies GB/s: " + ", ".join(f"{k} {v:.3g}" for k, v in sm["copy_gb_s"].items()))
-    lines.append("  optimizer s per 100M params: " + (", ".join(
-        f"{k} {v:.3g}" for k, v in sm["optimizer_s_per_100m_params"].items()) or "none measured"))
-    for fam, e in m.engines.items():
-        lines.append(f"  engine {fam}: {e['micro_s'] * 1e3:.3g} ms + {e['micro_tensor_s'] * 1e6:.3g} us/tensor + "
-                     f"{e.get('micro_param_s', 0) * 1e9:.3g} ns/parameter per micro-batch, {e['step_s'] * 1e3:.3g} ms + "
-                     f"{e['step_tensor_s'] * 1e6:.3g} us/tensor + {e.get('step_param_s', 0) * 1e9:.3g} ns/parameter per step")
-    if sm["disk_write_gb_s"] is not None:
-        lines.append(f"  disk write {sm['disk_write_gb_s']:.3g} GB/s")
-    skipped = m.measured.get("skipped") or {}
-    if skipped:
-        lines.append("  left out or doubtful: " + "; ".join(f"{k} ({v})" for k, v in skipped.items()))
-    load = m.measured.get("load_average_before")
-    if load:
-        lines.append(f"  load average while measuring: {load[0]:.2f} before, "
-                     f"{m.measured.get('load_average_after', [0])[0]:.2f} after, on {m.measured.get('cores')} cores")
-    return "\n".join(lines)
+                               source=f"calibrated {speeds.date_text(now)} on {name}")

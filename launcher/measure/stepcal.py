@@ -261,7 +261,7 @@ def _curve(points: list[list[float]], looped: list[list[float]]) -> list[list[fl
     curve = sorted([float(f), statistics.median(rs)] for f, rs in by.items())
     if not curve or not looped:
         return curve
-    from launcher.plan.steptime import Rates
+    from launcher.machine.speeds import Rates
 
     top_f, top_r = curve[-1]
     ref = Rates(device="cpu", matmul={"x": looped}).matmul_rate("x", top_f)
@@ -271,7 +271,7 @@ def _curve(points: list[list[float]], looped: list[list[float]]) -> list[list[fl
 
 def measure(work, view_s: float, raw: dict, skipped: dict, *, steps: int = 6, profiled: int = 2,
             references: tuple = REFERENCE, precisions: tuple = ("fp32", "bf16")) -> dict:
-    """In-step rates for :class:`launcher.plan.steptime.Rates` of the CPU, given the looped ones (``work``): a dict
+    """In-step rates for :class:`launcher.machine.speeds.Rates` of the CPU, given the looped ones (``work``): a dict
     with ``matmul`` (dtype -> curve), ``attention`` (dtype -> FLOP/s) and ``step_costs`` (precision ->
     ``{"op_s", "bytes_per_s", "micro_s"}``); what could not be measured is left out and said in ``skipped``."""
     out: dict = {"matmul": {}, "attention": {}, "step_costs": {}}

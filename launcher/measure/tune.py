@@ -18,6 +18,7 @@ from launcher.config.profiles import PROFILES
 from launcher.config.schema import ConfigError, load_config, to_yaml
 from launcher.data import settle_formats
 from launcher.log import logger
+from launcher.machine import speeds
 from launcher.machine.hardware import probe
 from launcher.measure import bench, calibrate
 from launcher.plan import planner
@@ -80,7 +81,7 @@ def tune(path: str | None, overrides: list[str], *, top: int = 3, out_yaml: str 
             base = r["predicted_step_s"] / machine.corrections.get(fam, 1.0)  # the model's own prediction
             ratios.setdefault(fam, []).append(r["step_s"] / base)
     corrections = {fam: statistics.median(v) for fam, v in ratios.items()}
-    calibrate.save_corrections(machine, corrections)
+    speeds.save_corrections(machine, corrections)
     doc = {"results": results, "best": best["candidate"], "corrections": corrections, "machine": machine.name,
            "plan_choice": plan.candidates[0], "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     if out_yaml:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from launcher.config.schema import Config, ConfigError
 from launcher.machine.hardware import Hardware
+from launcher.machine.speeds import Machine
 from launcher.plan import gpus, planner
-from launcher.plan.steptime import Machine
 
 
 @dataclass

@@ -18,7 +18,7 @@ Every entry cites the data sheet (or architecture whitepaper) its numbers come f
   what the data sheet allows, i.e. optimistic.
 - A number the cited source does not state is listed in the entry's ``unconfirmed`` with the reason.
 
-:func:`machine` turns an entry into the step-time model's :class:`launcher.plan.steptime.Machine` (device rates from
+:func:`machine` turns an entry into the step-time model's :class:`launcher.machine.speeds.Machine` (device rates from
 the data sheet, host rates from this machine's calibration); :func:`hardware` into the planner's
 :class:`launcher.machine.hardware.Hardware` record.
 """
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from launcher.config.schema import ConfigError
 from launcher.machine.hardware import GPUInfo, Hardware
-from launcher.plan.steptime import Machine, Rates
+from launcher.machine.speeds import Machine, Rates
 from launcher.precision import supports_bf16, supports_fp16
 from launcher.units import GiB
 

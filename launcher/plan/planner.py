@@ -28,6 +28,7 @@ from launcher.config import user_ds_config
 from launcher.config.profiles import PROFILES, Profile, bucket_sizes, in_catalogue
 from launcher.config.schema import AUTO, Config, ConfigError, packs_samples
 from launcher.machine.hardware import Hardware, pin_memory_ok
+from launcher.machine.speeds import Machine
 from launcher.model import hfconfig
 from launcher.model.loss import HeadNotPlain, head_problem
 from launcher.plan import availability, steptime
@@ -46,7 +47,6 @@ from launcher.plan.memory.states import (
     model_states,
 )
 from launcher.plan.memory.trace import TraceSettings
-from launcher.plan.steptime import Machine
 from launcher.precision import DTYPES, weight_dtype
 from launcher.units import GiB, gib
 

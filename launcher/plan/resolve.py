@@ -16,9 +16,9 @@ from launcher.config import user_ds_config
 from launcher.config.profiles import PROFILES, Profile
 from launcher.config.schema import AUTO, Config, ConfigError, accumulation_steps
 from launcher.machine.hardware import Hardware
+from launcher.machine.speeds import Machine
 from launcher.plan import advice, availability, planner
 from launcher.plan.ladder import Rung
-from launcher.plan.steptime import Machine
 from launcher.units import gib
 
 

@@ -29,78 +29,10 @@ or, for a GPU that is not here, a data sheet (:mod:`launcher.plan.gpus`). Nothin
 
 from __future__ import annotations
 
-import bisect
-import math
 from dataclasses import asdict, dataclass, field
 
 from launcher.config.profiles import Profile
-
-# ------------------------------------------------------------------------------------------------
-# What a machine does per second
-
-
-@dataclass(frozen=True)
-class Rates:
-    """One device's speeds. ``matmul``: per dtype, (FLOPs of one matmul, FLOP/s reached), ascending in
-    FLOPs (small matmuls reach less of the peak; between points the rate is interpolated log-log)."""
-
-    device: str  # 'cpu' | 'cuda'
-    matmul: dict = field(default_factory=dict)  # dtype name -> [[flops, flop_per_s], ...]
-    attention: dict = field(default_factory=dict)  # dtype name -> flop/s of the fused attention kernel
-    memory_bytes_per_s: float = 1e10  # elementwise: bytes read + written per second
-    op_s: float = 0.0  # fixed cost of one kernel op inside a training step
-    view_s: float = 0.0  # fixed cost of one view op (no kernel)
-    # Measured inside training steps (a CPU, launcher.measure.stepcal), per precision of the step: {'op_s': fixed cost
-    # of a kernel op, 'bytes_per_s': elementwise rate, 'micro_s': what a forward + backward pays once}; where
-    # present they replace op_s and memory_bytes_per_s.
-    step_costs: dict = field(default_factory=dict)
-
-    def matmul_rate(self, dtype: str, flops: float) -> float:
-        curve = self.matmul.get(dtype) or self.matmul.get("float32") or [[1.0, 1e11]]
-        xs = [c[0] for c in curve]
-        i = bisect.bisect_left(xs, flops)
-        if i == 0:
-            return curve[0][1]
-        if i == len(curve):
-            return curve[-1][1]
-        (f0, r0), (f1, r1) = curve[i - 1], curve[i]
-        t = (math.log(flops) - math.log(f0)) / (math.log(f1) - math.log(f0))
-        return math.exp(math.log(r0) + t * (math.log(r1) - math.log(r0)))
-
-    def attention_rate(self, dtype: str) -> float:
-        if dtype in self.attention:
-            return self.attention[dtype]
-        return self.matmul_rate(dtype, float("inf"))
-
-
-@dataclass(frozen=True)
-class Machine:
-    """The speeds the step-time model needs, for the machine that trains (or the GPU one would rent)."""
-
-    name: str  # e.g. 'cpu: AMD EPYC (2 threads)' or 'NVIDIA T4 (data sheet)'
-    source: str  # how the numbers were obtained, for the plan's assumptions
-    compute: Rates  # where forward and backward run
-    host: Rates  # the CPU (offloaded optimizer steps, host copies)
-    h2d_bytes_per_s: dict = field(default_factory=dict)  # {'pinned': B/s, 'pageable': B/s}
-    d2h_bytes_per_s: dict = field(default_factory=dict)
-    optimizers: dict = field(default_factory=dict)  # 'kind@device' -> [seconds per parameter, seconds per tensor]
-    # family -> {'micro_s', 'micro_tensor_s', 'micro_param_s', 'step_s', 'step_tensor_s', 'step_param_s'}
-    engines: dict = field(default_factory=dict)
-    disk_write_bytes_per_s: float | None = None
-    threads: int = 1
-    measured: dict = field(default_factory=dict)  # anything else recorded (dates, versions, raw samples)
-    # family -> measured / predicted step time, from `vramfit tune` on this machine (applied to later predictions)
-    corrections: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Machine:
-        d = dict(d)
-        d["compute"], d["host"] = Rates(**d["compute"]), Rates(**d["host"])
-        return cls(**d)
-
+from launcher.machine.speeds import Machine, Rates
 
 # ------------------------------------------------------------------------------------------------
 # Which engine does what

@@ -1,8 +1,9 @@
-"""The training loop. One loop for every engine; it reads top to bottom in :func:`train`.
+"""The training loop. One loop for every engine, in three steps around one :class:`Run` record.
 
-decide (probe, resolve into a frozen RunSpec, plan) -> data -> run directory and resume point -> engine ->
-for each step: micro-batches (forward + backward), step (clip, unscale, update), log, eval, checkpoint, OOM
-ladder -> final weights, summary, sample.
+:func:`prepare` decides everything before anything loads (probe, resolve into a frozen RunSpec, plan), loads
+the data, claims the run directory and its resume point, builds the engine and restores a checkpoint;
+:func:`fit` runs the steps (micro-batches forward + backward, the engine's step, log, eval, checkpoint, the
+OOM ladder); :func:`finish` writes what the run leaves behind (final weights, summary, plot, a sample).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import gc
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import psutil
 import torch
@@ -22,16 +23,14 @@ from launcher.config.profiles import PROFILES
 from launcher.config.schema import Config, ConfigError, to_dict, to_yaml, with_epochs
 from launcher.data import load_splits, settle_formats
 from launcher.engines.base import StepResult, host_values
-from launcher.engines.deepspeed import restore_torch_functions
 from launcher.log import logger
-from launcher.machine import diskspace, dist, threads
+from launcher.machine import diskspace, dist, speeds, threads
 from launcher.machine.files import DiskFull, disk_full_message, is_disk_full, read_json
 from launcher.machine.hardware import Hardware, enforce_gpu_budget, probe, with_nvme
-from launcher.measure import calibrate
 from launcher.model import hfconfig, kernels, lora
-from launcher.model.build import build_model, count_params, enable_checkpointing, load_tokenizer, model_config
+from launcher.model.build import build_model, count_params, load_tokenizer, model_config
 from launcher.plan import report
-from launcher.plan.ladder import Rung, next_move
+from launcher.plan.ladder import Move, Rung, next_move
 from launcher.plan.resolve import RunSpec, resolve
 from launcher.precision import weight_dtype
 from launcher.training import checkpoint as ckpt
@@ -45,7 +44,8 @@ from launcher.training.tracking import Trackers
 
 @dataclass
 class State:
-    """What the loop carries from step to step and through a checkpoint."""
+    """What the loop carries from step to step and through a checkpoint (every field but ``resumed_from`` goes
+    into the checkpoint's client state, as it is named here)."""
 
     step: int = 0
     first_loss: float | None = None
@@ -58,383 +58,521 @@ class State:
     best_checkpoint: str | None = None  # its checkpoint (checkpoint.keep_best), kept out of the rotation
     evals_since_best: int = 0  # evals in a row without a lower loss (train.early_stopping_patience)
 
+    def client(self) -> dict:
+        """The fields a checkpoint carries."""
+        return {k: v for k, v in asdict(self).items() if k != "resumed_from"}
+
+    @classmethod
+    def from_client(cls, client: dict, resumed_from: str) -> State:
+        """The state a checkpoint's client state restores (a field an older checkpoint lacks keeps its default)."""
+        known = {f.name for f in fields(cls)} - {"resumed_from"}
+        return cls(**{k: v for k, v in client.items() if k in known}, resumed_from=resumed_from)
+
+
+@dataclass
+class Run:
+    """One training run, from :func:`prepare` to :func:`finish`: what was decided, what was built, how it went."""
+
+    cfg: Config  # settled: data formats resolved, epochs turned into steps
+    asked: Config  # the settings as the user gave them (what a resume compares)
+    hooks: Hooks
+    ranks: dist.Dist
+    hw: Hardware
+    threads: threads.Threads
+    hf_config: object
+    spec: RunSpec  # moves down the OOM ladder
+    tokenizer: object
+    train_data: object
+    eval_data: object
+    sample_prompt: object
+    rd: RunDir | None = None
+    run_name: str = ""
+    resume_from: str | None = None
+    damaged: list = field(default_factory=list)  # checkpoints newer than resume_from that failed their checks
+    mon: MemoryMonitor | None = None
+    engine: object = None
+    model: object = None
+    init_peak_gpu: int | None = None
+    trackers: Trackers | None = None
+    st: State = field(default_factory=State)
+    status: str = "completed"  # | failed | interrupted | stopped_early
+    diagnosis: str | None = None
+    last_ckpt: str | None = None
+    loss: float = float("nan")  # the last step's loss
+    last_scale: float | None = None  # fp16 loss scale after the last step
+    peak_rss: int = 0
+    elapsed: float = 0.0
+
+    @property
+    def device(self) -> torch.device:
+        return self.spec.device
+
+    @property
+    def finished(self) -> bool:
+        return self.status in ("completed", "stopped_early")
+
 
 def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -> dict:
     """Run one training job end to end. Returns the summary (also written to summary.json)."""
     try:
         with contextlib.ExitStack() as cleanup:  # the run directory's lock, released however the run ends
-            return _train(cfg, hooks or Hooks(), hw, cleanup)
+            run = prepare(cfg, hooks or Hooks(), hw, cleanup)
+            fit(run)
+            return finish(run)
     finally:
-        restore_torch_functions()
+        engines.restore_globals()  # what an engine changed for the whole process, also when it failed to build
 
 
-def _train(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.ExitStack) -> dict:
+# ---------------------------------------------------------------------------------------------------- prepare
+def prepare(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.ExitStack) -> Run:
+    """Everything before the first step: decide, load the data, claim the run directory, build the engine,
+    restore the checkpoint being continued. Input problems surface before the run directory exists, and a
+    refused resume changes nothing in it."""
     ranks = dist.current()
     log.setup(cfg.log.level, ranks.rank)
     dist.init(torch.device("cuda" if torch.cuda.is_available() and cfg.device != "cpu" else "cpu"))
     hw = with_nvme(hw or probe(), cfg.memory.nvme_path)  # its free space and speed, for the plan
-    # intra-op threads: the cores other processes leave free (launcher.machine.threads); several ranks on one machine
-    # share its cores and start together (each would count the others as neighbours), so they split them
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world))
-    th = threads.decide(cfg.train.threads, max(1, threads.cores() // max(1, local)),
-                        busy=0.0 if local > 1 else None)
-    threads.apply(th)
-    logger.info(f"threads: {th.intra_op} intra-op ({th.reason}); OMP_WAIT_POLICY {th.wait_policy}; data workers "
-                f"{th.data_workers} (batches are cut from tokens in memory in the loop's thread)")
-    # ---- decide everything before loading anything
-    hf_config = model_config(cfg)
-    hfconfig.check_weights(cfg.model.name)
-    lora.check(cfg, hf_config)  # bitsandbytes present when needed; LoRA target names exist (on a meta model)
+    th = _threads(cfg, ranks)
     asked = cfg  # what a checkpoint compares on resume: the settings as the user gave them
-    cfg = settle_formats(cfg)  # format auto -> what the records hold (one record read), so the plan knows the batches
-    # this machine's measured speeds, when `vramfit doctor --calibrate` has run: the plan then picks the
-    # fastest predicted setting that fits (never measured here: a training start stays fast)
-    spec = resolve(cfg, hw, ranks.world, ranks.local_rank, machine=calibrate.calibration(measure=False))
-    for r in spec.reasons:
-        logger.info(r)
-    kernels.check(cfg, spec.device.type)  # model.liger where it cannot run
-    seq_len = cfg.data.seq_len
-    hfconfig.check_seq_len(hf_config, seq_len)  # the planner (in resolve) checked it too: one rule for plan and train
-    # ---- tokenizer, data, sample prompt: input problems surface before the run directory exists
+    hf_config, cfg, spec = _decide(cfg, hw, ranks)
     tokenizer = load_tokenizer(cfg)
     train_data, eval_data = load_splits(cfg, hf_config.vocab_size, tokenizer, hf_config)
     if cfg.train.epochs:
         cfg = with_epochs(cfg, len(train_data))
         logger.info(f"train.epochs={cfg.train.epochs:g} over {len(train_data)} samples: {cfg.train.max_steps} steps "
                     f"of {cfg.train.global_batch_size}, warmup {cfg.train.warmup_steps}")
-    sample_prompt = generate.prompt_ids(cfg, tokenizer, eval_data if eval_data is not None else train_data)
-    if cfg.checkpoint.save:  # room for the checkpoints and final/ on the output disk, before anything is written
-        disk = diskspace.room(cfg.output_dir, spec.predicted("checkpoint_bytes") or 0, spec.predicted("final_bytes") or 0,
-                              cfg.checkpoint.keep_last + int(cfg.checkpoint.keep_best),
-                              run_dir=os.path.join(cfg.output_dir, cfg.run_name) if cfg.run_name else None)
-        problem = diskspace.refusal(disk, cfg.lora.r)
-        if problem:
-            raise ConfigError([problem], "disk plan")
-        logger.info(diskspace.describe(disk))
-    rd, resume_from, run_name, damaged = prepare_run_dir(cfg, ranks, cleanup)
-    settings = ckpt.fixed_settings(asked)
-    if resume_from:
-        marker = ckpt.read_marker(resume_from)
-        diff = ckpt.diff_settings(marker["settings"], settings)
-        if diff:
-            raise ConfigError([f"checkpoint {resume_from}: settings changed since it was written; rule: these must "
-                               f"match to resume; fix: restore them or choose another run_name. Changes: {'; '.join(diff)}"])
-        rung = Rung(**marker["rung"]) if marker.get("rung") else spec.rung
-        custom = rung.profile not in PROFILES  # written by a deepspeed_config run (its custom row)
-        if (custom or spec.user_ds is not None) and rung.profile != spec.profile.name:
-            raise ConfigError([f"checkpoint {resume_from}: written by profile {rung.profile}, this run is "
-                               f"{spec.profile.name}; rule: a run with its own deepspeed_config resumes with the same "
-                               "JSON layout, and a catalogue run without one; fix: the deepspeed_config the run "
-                               "started with (or none), or another run_name"])
-        spec = spec.at(rung)  # continue where the OOM ladder had got to
-        if "files" not in marker:
-            logger.info(f"checkpoint {resume_from} was written before checkpoints carried checksums: not verified")
-        rd.hold()  # nothing is written into the run being continued until its checkpoint has loaded
-    rd.write_text("config.yaml", to_yaml(replace(cfg, run_name=run_name, model=replace(
-        cfg.model, gradient_checkpointing=spec.checkpointing, checkpoint_every=spec.checkpoint_every))))
-    if spec.plan is not None:
-        rd.write_json("plan.json", spec.plan.to_json())
-    device = spec.device
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        capped = enforce_gpu_budget(cfg.memory.gpu_budget, device)
+    run = Run(cfg=cfg, asked=asked, hooks=hooks, ranks=ranks, hw=hw, threads=th, hf_config=hf_config, spec=spec,
+              tokenizer=tokenizer, train_data=train_data, eval_data=eval_data,
+              sample_prompt=generate.prompt_ids(cfg, tokenizer, eval_data if eval_data is not None else train_data))
+    _check_disk(run)
+    run.rd, run.resume_from, run.run_name, run.damaged = prepare_run_dir(cfg, ranks, cleanup)
+    if run.resume_from:
+        run.spec = _resume_spec(run)
+        run.rd.hold()  # nothing is written into the run being continued until its checkpoint has loaded
+    run.rd.write_text("config.yaml", to_yaml(replace(cfg, run_name=run.run_name, model=replace(
+        cfg.model, gradient_checkpointing=run.spec.checkpointing, checkpoint_every=run.spec.checkpoint_every))))
+    if run.spec.plan is not None:
+        run.rd.write_json("plan.json", run.spec.plan.to_json())
+    if run.device.type == "cuda":
+        torch.cuda.set_device(run.device)
+        torch.cuda.reset_peak_memory_stats(run.device)
+        capped = enforce_gpu_budget(cfg.memory.gpu_budget, run.device)
         if capped:
             logger.info(capped)
-    mon = MemoryMonitor.for_run(cfg, rd, device)  # stopped in the loop's finally
-    if not resume_from:
-        mon.start()  # memory.csv from here (a resume appends to it once its checkpoint has loaded)
-    # ---- model, engine
-    engine, model = make_engine(cfg, spec, hw, hf_config, rd)
-    init_peak_gpu = None
-    if device.type == "cuda":  # engine set-up can briefly hold two copies of the weights; training is measured apart
-        init_peak_gpu = torch.cuda.max_memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    n_total, n_train = count_params(model)
+    run.mon = MemoryMonitor.for_run(cfg, run.rd, run.device)  # stopped at the end of fit
+    if not run.resume_from:
+        run.mon.start()  # memory.csv from here (a resume appends to it once its checkpoint has loaded)
+    run.engine, run.model = make_engine(cfg, run.spec, hw, hf_config, run.rd)
+    if run.device.type == "cuda":  # engine set-up can briefly hold two copies of the weights; training is apart
+        run.init_peak_gpu = torch.cuda.max_memory_allocated(run.device)
+        torch.cuda.reset_peak_memory_stats(run.device)
+    n_total, n_train = count_params(run.model)
     logger.info(f"model {cfg.model.name}: {n_total / 1e6:.2f}M parameters ({n_train / 1e6:.2f}M trainable); "
-                f"data: {len(train_data)} samples of up to {seq_len} tokens, {train_data.description}")
-    logger.info(f"engine {engine.name}, profile {spec.profile.name}, optimizer {engine.optimizer_name}, micro-batch "
-                f"{spec.micro_batch} x accumulation {spec.accumulation} x {ranks.world} rank(s) = "
+                f"data: {len(train_data)} samples of up to {cfg.data.seq_len} tokens, {train_data.description}")
+    logger.info(f"engine {run.engine.name}, profile {run.spec.profile.name}, optimizer {run.engine.optimizer_name}, "
+                f"micro-batch {run.spec.micro_batch} x accumulation {run.spec.accumulation} x {ranks.world} rank(s) = "
                 f"{cfg.train.global_batch_size}")
-    # ---- resume
-    st = State()
-    if resume_from:
-        try:
-            client = engine.load(resume_from)
-        except Exception as e:  # noqa: BLE001 -- each engine's loader fails its own way (torch, DeepSpeed, DCP)
-            engine.close()
-            older = ckpt.older_loadable(resume_from)
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise ConfigError([f"checkpoint.resume: {resume_from} matches its recorded sizes and checksums but does "
-                               f"not load ({type(e).__name__}: {first}); rule: a checkpoint that this engine wrote for "
-                               "this model; fix: " + (f"checkpoint.resume={older}" if older else "another run_name (no "
-                               "older checkpoint loads)") + "; nothing in the run directory was changed"]) from None
-        st.step, st.first_loss, st.skipped = client["step"], client.get("first_loss"), client.get("skipped", 0)
-        st.fallbacks, st.tokens_seen = client.get("fallbacks", []), client.get("tokens_seen", 0)
-        st.tokens_in_loss = client.get("tokens_in_loss", 0)
-        st.best_eval_loss, st.best_checkpoint = client.get("best_eval_loss"), client.get("best_checkpoint")
-        st.evals_since_best = client.get("evals_since_best", 0)
-        rng = client["rng"]
-        ckpt.set_rng_state(rng[min(ranks.rank, len(rng) - 1)] if isinstance(rng, list) else rng)
-        st.resumed_from = resume_from
-        if ranks.is_main:
-            for path, _why in damaged:  # out of the resume and rotation order, kept for a look
-                logger.info(f"damaged checkpoint {path} kept as {ckpt.set_aside(path)}")
-        rd.truncate_metrics(st.step)
-        rd.commit()
-        mon.start()
-        logger.info(f"resumed from {resume_from} at step {st.step}")
+    if run.resume_from:
+        _restore(run)
+    # trackers only once a resume has loaded (a refused one changes nothing in the run directory); one that
+    # fails is switched off; closed after the loop, and when the run ends with an exception
+    run.trackers = Trackers(cfg.log.report_to, run.rd.path, run.run_name, to_dict(cfg), ranks.is_main,
+                            warn=logger.warning, folder=cfg.log.tracker_dir)
+    cleanup.callback(run.trackers.close)
+    if run.spec.plan is not None:
+        run.trackers.text("plan", report.format_table(run.spec.plan))
+    return run
 
-    def save_checkpoint() -> str:
-        client = {"step": st.step, "samples_seen": st.step * cfg.train.global_batch_size, "first_loss": st.first_loss,
-                  "skipped": st.skipped, "fallbacks": st.fallbacks, "tokens_seen": st.tokens_seen,
-                  "tokens_in_loss": st.tokens_in_loss, "best_eval_loss": st.best_eval_loss,
-                  "best_checkpoint": st.best_checkpoint, "evals_since_best": st.evals_since_best,
-                  "rng": ranks.gather(ckpt.rng_state())}
-        path = ckpt.save(engine, rd.checkpoints, st.step, client, settings, is_main=ranks.is_main,
-                         barrier=ranks.barrier, keep_last=cfg.checkpoint.keep_last, extra={"rung": asdict(spec.rung)},
-                         during_save=hooks.during_save, predicted_bytes=spec.predicted("checkpoint_bytes"),
-                         keep=(st.best_checkpoint,) if cfg.checkpoint.keep_best and st.best_checkpoint else ())
-        logger.info(f"checkpoint {path}")
-        return path
 
-    def save_periodic() -> bool:
-        """A checkpoint on the way that does not fit on the disk is skipped with a warning (its partial files are
-        already gone) and the run goes on; the last one must fit (DiskFull ends the run as failed, with the last
-        good checkpoint). Returns whether it was written."""
-        try:
-            save_checkpoint()
-            return True
-        except DiskFull as e:
-            logger.warning(f"checkpoint at step {st.step} skipped: {e}; the run goes on, the last good checkpoint is "
-                           f"{ckpt.latest(rd.checkpoints) or 'none yet'}; fix: free space there or lower "
-                           "checkpoint.keep_last")
-            return False
+def _threads(cfg: Config, ranks: dist.Dist) -> threads.Threads:
+    """Intra-op threads: the cores other processes leave free (launcher.machine.threads); several ranks on one
+    machine share its cores and start together (each would count the others as neighbours), so they split them."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world))
+    th = threads.decide(cfg.train.threads, max(1, threads.cores() // max(1, local)), busy=0.0 if local > 1 else None)
+    threads.apply(th)
+    logger.info(f"threads: {th.intra_op} intra-op ({th.reason}); OMP_WAIT_POLICY {th.wait_policy}; data workers "
+                f"{th.data_workers} (batches are cut from tokens in memory in the loop's thread)")
+    return th
 
-    def run_eval() -> bool:
-        """Eval loss and perplexity now; the best is kept (checkpoint.keep_best). True when the run should stop
-        (train.early_stopping_patience evals in a row without a lower loss)."""
-        ev = evaluate(engine, eval_data, spec.micro_batch, ranks, cfg.eval.max_batches)
-        improved = st.best_eval_loss is None or ev < st.best_eval_loss
-        if improved:
-            st.best_eval_loss, st.evals_since_best = ev, 0
-        else:
-            st.evals_since_best += 1
-        logger.info(f"eval loss {ev:.4f}, perplexity {perplexity(ev):.4g} at step {st.step}"
-                    + (" (best so far)" if improved else f" (best {st.best_eval_loss:.4f}; {st.evals_since_best} "
-                                                         "without improvement)"))
-        trackers.log({"eval_loss": ev, "eval_perplexity": perplexity(ev), "eval_best_loss": st.best_eval_loss},
-                     st.step)
-        if improved and cfg.checkpoint.keep_best and cfg.checkpoint.save:
-            previous, st.best_checkpoint = st.best_checkpoint, ckpt.step_dir(rd.checkpoints, st.step)
-            if not save_periodic():  # the checkpoint recorded itself as the best; it was not written
-                st.best_checkpoint = previous
-        patience = cfg.train.early_stopping_patience
-        return bool(patience) and st.evals_since_best >= patience
 
-    # ---- trackers: only once a resume has loaded (a refused one changes nothing in the run directory)
-    trackers = Trackers(cfg.log.report_to, rd.path, run_name, to_dict(cfg), ranks.is_main, warn=logger.warning,
-                        folder=cfg.log.tracker_dir)  # closed after the loop; one that fails is switched off
-    cleanup.callback(trackers.close)  # and when the run ends with an exception
-    if spec.plan is not None:
-        trackers.text("plan", report.format_table(spec.plan))
+def _decide(cfg: Config, hw: Hardware, ranks: dist.Dist) -> tuple[object, Config, RunSpec]:
+    """(model config, settled config, RunSpec), before anything loads. The plan uses this machine's measured
+    speeds when `vramfit doctor --calibrate` has run, to pick the fastest predicted setting that fits (never
+    measured here: a training start stays fast)."""
+    hf_config = model_config(cfg)
+    hfconfig.check_weights(cfg.model.name)
+    lora.check(cfg, hf_config)  # bitsandbytes present when needed; LoRA target names exist (on a meta model)
+    cfg = settle_formats(cfg)  # format auto -> what the records hold (one record read), so the plan knows the batches
+    machine, why = speeds.cached()
+    if why:
+        logger.warning(why)
+    spec = resolve(cfg, hw, ranks.world, ranks.local_rank, machine=machine)
+    for r in spec.reasons:
+        logger.info(r)
+    kernels.check(cfg, spec.device.type)  # model.liger where it cannot run
+    hfconfig.check_seq_len(hf_config, cfg.data.seq_len)  # resolve's planner checked it too: one rule for both
+    return hf_config, cfg, spec
 
-    # ---- the loop
+
+def _check_disk(run: Run) -> None:
+    """Room for the checkpoints and final/ on the output disk, before anything is written."""
+    cfg = run.cfg
+    if not cfg.checkpoint.save:
+        return
+    disk = diskspace.room(cfg.output_dir, run.spec.predicted("checkpoint_bytes") or 0,
+                          run.spec.predicted("final_bytes") or 0, cfg.checkpoint.keep_last + int(cfg.checkpoint.keep_best),
+                          run_dir=os.path.join(cfg.output_dir, cfg.run_name) if cfg.run_name else None)
+    problem = diskspace.refusal(disk, cfg.lora.r)
+    if problem:
+        raise ConfigError([problem], "disk plan")
+    logger.info(diskspace.describe(disk))
+
+
+def _resume_spec(run: Run) -> RunSpec:
+    """The RunSpec a resume goes on with: the OOM ladder's rung where the checkpoint was written. Refused when the
+    settings that must match have changed."""
+    resume_from, spec = run.resume_from, run.spec
+    marker = ckpt.read_marker(resume_from)
+    diff = ckpt.diff_settings(marker["settings"], ckpt.fixed_settings(run.asked))
+    if diff:
+        raise ConfigError([f"checkpoint {resume_from}: settings changed since it was written; rule: these must "
+                           f"match to resume; fix: restore them or choose another run_name. Changes: {'; '.join(diff)}"])
+    rung = Rung(**marker["rung"]) if marker.get("rung") else spec.rung
+    custom = rung.profile not in PROFILES  # written by a deepspeed_config run (its custom row)
+    if (custom or spec.user_ds is not None) and rung.profile != spec.profile.name:
+        raise ConfigError([f"checkpoint {resume_from}: written by profile {rung.profile}, this run is "
+                           f"{spec.profile.name}; rule: a run with its own deepspeed_config resumes with the same "
+                           "JSON layout, and a catalogue run without one; fix: the deepspeed_config the run "
+                           "started with (or none), or another run_name"])
+    if "files" not in marker:
+        logger.info(f"checkpoint {resume_from} was written before checkpoints carried checksums: not verified")
+    return spec.at(rung)  # continue where the OOM ladder had got to
+
+
+def _restore(run: Run) -> None:
+    """Load the checkpoint being continued into the engine and the loop's state; only then is the run directory
+    written to (metrics cut back to its step, damaged newer checkpoints set aside)."""
+    try:
+        client = run.engine.load(run.resume_from)
+    except Exception as e:  # noqa: BLE001 -- each engine's loader fails its own way (torch, DeepSpeed, DCP)
+        run.engine.close()
+        older = ckpt.older_loadable(run.resume_from)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError([f"checkpoint.resume: {run.resume_from} matches its recorded sizes and checksums but does "
+                           f"not load ({type(e).__name__}: {first}); rule: a checkpoint that this engine wrote for "
+                           "this model; fix: " + (f"checkpoint.resume={older}" if older else "another run_name (no "
+                           "older checkpoint loads)") + "; nothing in the run directory was changed"]) from None
+    run.st = State.from_client(client, run.resume_from)
+    rng = client["rng"]
+    ckpt.set_rng_state(rng[min(run.ranks.rank, len(rng) - 1)] if isinstance(rng, list) else rng)
+    if run.ranks.is_main:
+        for path, _why in run.damaged:  # out of the resume and rotation order, kept for a look
+            logger.info(f"damaged checkpoint {path} kept as {ckpt.set_aside(path)}")
+    run.rd.truncate_metrics(run.st.step)
+    run.rd.commit()
+    run.mon.start()
+    logger.info(f"resumed from {run.resume_from} at step {run.st.step}")
+
+
+# ---------------------------------------------------------------------------------------------------- fit
+def fit(run: Run) -> None:
+    """Train until ``train.max_steps``, an early stop, a signal or a failure; the last checkpoint is written.
+    ``run.status`` and ``run.diagnosis`` say how it ended."""
+    cfg, st, ranks = run.cfg, run.st, run.ranks
     stop = StopRequested().install()
-    status, diagnosis, last_ckpt = "completed", None, None
     t_start = time.perf_counter()
-    peak_rss = psutil.Process().memory_info().rss
-    loss, at_min_scale, last_scale = float("nan"), 0, None  # last_scale: fp16 loss scale after the last step
+    run.peak_rss = psutil.Process().memory_info().rss
+    at_min_scale = 0  # fp16 steps in a row that overflowed at the minimum loss scale
     bar = progress.Progress(cfg, st.step, ranks.is_main)
     try:
         while st.step < cfg.train.max_steps:
             t0 = time.perf_counter()
             lr = lr_at(st.step, cfg.train)
-            move = None
-            try:
-                if hooks.before_step:
-                    hooks.before_step(st.step, engine)
-                mon.mark("forward", engine)  # model hooks split forward from backward
-                batch = train_data.step(st.step, cfg.train.global_batch_size, spec.micro_batch, ranks.rank,
-                                        ranks.world, cfg.seed)  # this rank's micro-batches: stacked, padded or packed
-                losses = [engine.forward_backward(b, spec.accumulation) for b in batch.batches]
-                if hooks.after_backward:
-                    hooks.after_backward(st.step, engine)
-                mon.mark("step")
-                # The engine skips an update whose gradients hold inf/nan by itself (a nan loss makes them so),
-                # so the loss is read after the update is queued, with the step's other numbers, in one host
-                # transfer: a GPU waits for the host once per step, not at the loss and again at the norm.
-                result: StepResult = engine.step(lr)
-                loss, skipped, scale, norm = host_values([torch.stack(losses).mean(), result.skipped,
-                                                          result.loss_scale, result.grad_norm])
-                result = StepResult(skipped=bool(skipped), loss_scale=scale, grad_norm=norm)
-                loss = ranks.mean(loss)
-                last_scale = result.loss_scale
-                if not math.isfinite(loss) and spec.precision != "fp16":  # its update was not applied
-                    status, diagnosis = "failed", diagnose(engine, train_data, spec.rung, st.step, cfg, lr,
-                                                           f"loss became {loss} at step {st.step + 1}")
-                    break
-            except torch.OutOfMemoryError:  # anything else propagates untouched
-                # One process only: with several ranks the others wait in a collective of this step and
-                # cannot take part in a move (portable_state and a new engine are collectives too).
-                move = next_move(spec.rung, list(spec.usable)) if cfg.train.oom_fallback and ranks.world == 1 else None
-                if move is None:
-                    if ranks.world > 1 and cfg.train.oom_fallback:
-                        logger.info(f"OOM at step {st.step + 1} on rank {ranks.rank}: the OOM ladder runs in "
-                                    "single-process runs only; resume from the last checkpoint with a smaller "
-                                    "train.micro_batch_size", extra={"all_ranks": True})
-                    raise
-            if move is not None:
-                # Out of the except block: until it ends, the exception's traceback keeps the failed step's
-                # frames, and with them its activations and the engine, from being freed.
-                logger.info(f"OOM at step {st.step + 1}: {move.reason}")
-                st.fallbacks.append({"from": asdict(spec.rung), "to": asdict(move.to), "reason": move.reason,
-                                     "step": st.step + 1})
-                new_spec = spec.at(move.to)
-                if move.kind == "profile" or not engine.resets_in_place:  # rebuild from the last state
-                    state, scale_state = engine.portable_state(), engine.loss_scale_state()
-                    engine.close()  # DeepSpeed keeps references (hooks) that would outlive the object
-                    mon.unwatch()
-                    engine = model = None
-                    free_memory(device)
-                    engine, model = make_engine(cfg, new_spec, hw, hf_config, rd, state)
-                    engine.load_portable_state(state, st.step - st.skipped, scale_state)
-                    del state
-                else:
-                    engine.reset_micro_batch(move.to.micro_batch, move.to.accumulation)
-                    if move.kind == "checkpointing":
-                        enable_checkpointing(engine.module(), move.to.checkpoint_every, spec.offload_activations,
-                                             engine.levers is not None and engine.levers.pin_memory)
-                        if engine.levers is not None:  # activation offload now rides on the checkpointed layers
-                            engine.levers = replace(engine.levers, checkpointing=True)
-                    free_memory(device)
-                spec = new_spec
+            done = _step(run, lr)
+            if isinstance(done, Move):
+                _climb(run, done)
                 continue
-            st.step += 1
-            st.tokens_seen += batch.tokens
-            st.tokens_in_loss += batch.tokens_in_loss
-            st.skipped += int(result.skipped)
-            if st.first_loss is None:
-                st.first_loss = loss
-            dt = time.perf_counter() - t0
-            mem = memory_now(device)
-            peak_rss = max(peak_rss, mem["cpu_rss_bytes"])
-            row = {"step": st.step, "loss": loss, "lr": lr, "loss_scale": result.loss_scale,
-                   "skipped": result.skipped, "grad_norm": result.grad_norm, "tokens": st.tokens_seen,
-                   "tokens_per_s": batch.tokens / dt, "tokens_in_loss": st.tokens_in_loss,
-                   "tokens_in_loss_per_s": batch.tokens_in_loss / dt, **mem, "time_s": time.perf_counter() - t_start,
-                   "micro_batch": spec.micro_batch, **mon.end_step(st.step, mem)}
-            rd.append_metrics(row)
-            trackers.log(row, st.step)
+            if done is None:  # run.status says why
+                break
+            batch, result = done
+            row = _record(run, batch, result, lr, time.perf_counter() - t0, time.perf_counter() - t_start)
             bar.update(row)  # a bar on a terminal, else a log line every log.every_steps
             # fp16 that keeps overflowing at the minimum scale will never train: stop with a diagnosis
             at_min = result.skipped and result.loss_scale is not None and result.loss_scale <= cfg.loss_scale.min_scale
             at_min_scale = at_min_scale + 1 if at_min else 0
             if at_min_scale >= cfg.loss_scale.patience:
-                status, diagnosis = "failed", diagnose(
-                    engine, train_data, spec.rung, st.step, cfg, lr,
+                run.status, run.diagnosis = "failed", diagnose(
+                    run.engine, run.train_data, run.spec.rung, st.step, cfg, lr,
                     f"{at_min_scale} steps in a row overflowed at the minimum loss scale {cfg.loss_scale.min_scale:g}")
                 break
-            saved_here = False
-            if eval_data is not None and cfg.train.eval_every and st.step % cfg.train.eval_every == 0:
-                if run_eval():
-                    status = "stopped_early"
-                    logger.info(f"early stop at step {st.step}: {st.evals_since_best} evals without a lower eval loss "
-                                f"than {st.best_eval_loss:.4f}")
-                    break
-                saved_here = st.best_checkpoint == ckpt.step_dir(rd.checkpoints, st.step)
-            if hooks.after_step:
-                hooks.after_step(st.step)
-            if ranks.any(bool(stop)):  # ranks agree, so all of them save the same step
-                status = "interrupted"
+            if _between_steps(run, stop):
                 break
-            if (cfg.checkpoint.save and cfg.checkpoint.every_steps and st.step % cfg.checkpoint.every_steps == 0
-                    and st.step < cfg.train.max_steps and not saved_here):
-                save_periodic()
-        last_ckpt = save_checkpoint() if cfg.checkpoint.save else None
+        run.last_ckpt = save_checkpoint(run) if cfg.checkpoint.save else None
     except OSError as e:  # a full disk ends the run as failed, with a summary and the last good checkpoint
-        if not isinstance(e, DiskFull) and not is_disk_full(e, rd.path):
+        if not isinstance(e, DiskFull) and not is_disk_full(e, run.rd.path):
             raise
-        status, last_ckpt = "failed", ckpt.latest(rd.checkpoints)
-        diagnosis = disk_advice(e, rd, last_ckpt)
+        run.status, run.last_ckpt = "failed", ckpt.latest(run.rd.checkpoints)
+        run.diagnosis = disk_advice(e, run.rd, run.last_ckpt)
     finally:
         stop.restore()
-        rd.close()
+        run.rd.close()
         bar.close()
-        mon.stop()
-    elapsed = time.perf_counter() - t_start
-    # ---- outputs: the run is finished and recorded (final/, summary) before the sample after training
-    best = st.best_checkpoint if status == "stopped_early" and st.best_checkpoint and os.path.isdir(
-        st.best_checkpoint) else None
-    if best:  # final/ from the best weights by eval loss
-        engine.load(best)
-        logger.info(f"final/ from the best checkpoint {best} (eval loss {st.best_eval_loss:.4f})")
-    eval_loss = (st.best_eval_loss if best else evaluate(engine, eval_data, spec.micro_batch, ranks,
-                                                         cfg.eval.max_batches)) if eval_data is not None else None
-    if eval_data is not None and status in ("completed", "stopped_early"):
-        trackers.log({"eval_loss": eval_loss, "eval_perplexity": perplexity(eval_loss)}, st.step)
-    trackers.close()
-    if status in ("completed", "stopped_early") and cfg.checkpoint.save:
-        def write_final(tmp: str) -> None:
-            engine.save_final(tmp)
-            if tokenizer is not None and ranks.is_main:
-                tokenizer.save_pretrained(tmp)
-        try:
-            ckpt.write_dir_atomic(rd.file("final"), write_final, what="final/ (the trained weights)",
-                                  is_main=ranks.is_main, barrier=ranks.barrier)
-        except DiskFull as e:
-            status, diagnosis = "failed", disk_advice(e, rd, last_ckpt)
-    if diagnosis:
-        (logger.error if status == "failed" else logger.info)(f"stopped: {diagnosis}")
-    rows_after_first = rd.metrics()[1:] if ranks.is_main else []  # the first step pays one-time costs
-    measured = [m["tokens_per_s"] for m in rows_after_first]
-    in_loss = [m["tokens_in_loss_per_s"] for m in rows_after_first if m.get("tokens_in_loss_per_s") is not None]
-    summary = {
-        "status": status, "engine": engine.name, "profile": spec.profile.name, "precision": spec.precision,
-        "device": str(device), "steps": st.step, "first_loss": st.first_loss, "final_loss": loss,
-        "eval_loss": eval_loss, "eval_perplexity": perplexity(eval_loss) if eval_loss is not None else None,
-        "best_eval_loss": st.best_eval_loss, "best_checkpoint": st.best_checkpoint,
-        "tokens_per_s": (sum(measured) / len(measured)) if measured else st.tokens_seen / max(elapsed, 1e-9),
-        "tokens_in_loss_per_s": (sum(in_loss) / len(in_loss)) if in_loss else st.tokens_in_loss / max(elapsed, 1e-9),
-        "peak_gpu_bytes": mon.peak_gpu_bytes(), "peak_gpu_reserved_bytes": mon.peak_gpu_reserved_bytes(),
-        "peak_cpu_rss_bytes": peak_rss,
-        "peak_gpu_init_bytes": init_peak_gpu,
-        "predicted_gpu_bytes": spec.predicted("gpu_bytes"), "predicted_cpu_bytes": spec.predicted("cpu_bytes"),
-        "predicted_gpu_tensor_bytes": spec.predicted("gpu_tensor_bytes"),
-        "skipped_steps": st.skipped, "loss_scale": last_scale, "fallbacks": st.fallbacks, "resumed_from": st.resumed_from,
-        "optimizer": engine.optimizer_name, "micro_batch": spec.micro_batch, "accumulation": spec.accumulation,
-        "gradient_checkpointing": spec.checkpointing, "checkpoint_every": spec.checkpoint_every,
-        "world_size": ranks.world, "predicted_step_s": spec.predicted("step_s"),
-        "global_batch_size": cfg.train.global_batch_size, "seq_len": seq_len, "elapsed_s": elapsed,
-        "checkpoint": last_ckpt, "reasons": list(spec.reasons), "diagnosis": diagnosis, "run_dir": rd.path,
-        "sample": None, "sample_error": None, "tracker_errors": trackers.failures, "threads": th.to_dict(), **mon.summary(),
-    }
+        run.mon.stop()
+        run.elapsed = time.perf_counter() - t_start
+
+
+def _step(run: Run, lr: float):
+    """One optimizer step: this rank's micro-batches forward and backward, then the engine's update.
+
+    Returns (batch, StepResult); a :class:`Move` when an OOM asks the ladder for a lower rung (returned, not
+    taken here: until the except block ends, the exception's traceback keeps the failed step's frames, and with
+    them its activations and the engine, from being freed); None when the run must stop (``run.status``)."""
+    st, spec, engine, hooks, ranks = run.st, run.spec, run.engine, run.hooks, run.ranks
     try:
-        rd.write_json("summary.json", summary)
+        if hooks.before_step:
+            hooks.before_step(st.step, engine)
+        run.mon.mark("forward", engine)  # model hooks split forward from backward
+        batch = run.train_data.step(st.step, run.cfg.train.global_batch_size, spec.micro_batch, ranks.rank,
+                                    ranks.world, run.cfg.seed)  # this rank's micro-batches: stacked, padded or packed
+        losses = [engine.forward_backward(b, spec.accumulation) for b in batch.batches]
+        if hooks.after_backward:
+            hooks.after_backward(st.step, engine)
+        run.mon.mark("step")
+        # The engine skips an update whose gradients hold inf/nan by itself (a nan loss makes them so), so the
+        # loss is read after the update is queued, with the step's other numbers, in one host transfer: a GPU
+        # waits for the host once per step, not at the loss and again at the norm.
+        result: StepResult = engine.step(lr)
+        loss, skipped, scale, norm = host_values([torch.stack(losses).mean(), result.skipped, result.loss_scale,
+                                                  result.grad_norm])
+        run.loss, run.last_scale = ranks.mean(loss), scale
+        if not math.isfinite(run.loss) and spec.precision != "fp16":  # its update was not applied
+            run.status, run.diagnosis = "failed", diagnose(engine, run.train_data, spec.rung, st.step, run.cfg, lr,
+                                                           f"loss became {run.loss} at step {st.step + 1}")
+            return None
+        return batch, StepResult(skipped=bool(skipped), loss_scale=scale, grad_norm=norm)
+    except torch.OutOfMemoryError:  # anything else propagates untouched
+        # One process only: with several ranks the others wait in a collective of this step and cannot take
+        # part in a move (portable_state and a new engine are collectives too).
+        fallback = run.cfg.train.oom_fallback
+        move = next_move(spec.rung, list(spec.usable)) if fallback and ranks.world == 1 else None
+        if move is None:
+            if ranks.world > 1 and fallback:
+                logger.info(f"OOM at step {st.step + 1} on rank {ranks.rank}: the OOM ladder runs in single-process "
+                            "runs only; resume from the last checkpoint with a smaller train.micro_batch_size",
+                            extra={"all_ranks": True})
+            raise
+    return move
+
+
+def _climb(run: Run, move: Move) -> None:
+    """Go on one rung down the OOM ladder: in place where the engine can (a smaller micro-batch, checkpointing),
+    else a new engine rebuilt from the last state (weights, moments and the fp16 loss scale)."""
+    logger.info(f"OOM at step {run.st.step + 1}: {move.reason}")
+    run.st.fallbacks.append({"from": asdict(run.spec.rung), "to": asdict(move.to), "reason": move.reason,
+                             "step": run.st.step + 1})
+    spec = run.spec.at(move.to)
+    if move.kind == "profile" or not run.engine.resets_in_place:
+        state, scale_state = run.engine.portable_state(), run.engine.loss_scale_state()
+        run.engine.close()  # DeepSpeed keeps references (hooks) that would outlive the object
+        run.mon.unwatch()
+        run.engine = run.model = None
+        free_memory(run.device)
+        run.engine, run.model = make_engine(run.cfg, spec, run.hw, run.hf_config, run.rd, state)
+        run.engine.load_portable_state(state, run.st.step - run.st.skipped, scale_state)
+        del state
+    else:
+        run.engine.apply_move(move, spec.offload_activations)
+        free_memory(run.device)
+    run.spec = spec
+
+
+def _record(run: Run, batch, result: StepResult, lr: float, dt: float, since_start: float) -> dict:
+    """Count a finished step into the state and write its row (metrics.jsonl, trackers); returns the row."""
+    st = run.st
+    st.step += 1
+    st.tokens_seen += batch.tokens
+    st.tokens_in_loss += batch.tokens_in_loss
+    st.skipped += int(result.skipped)
+    if st.first_loss is None:
+        st.first_loss = run.loss
+    mem = memory_now(run.device)
+    run.peak_rss = max(run.peak_rss, mem["cpu_rss_bytes"])
+    row = {"step": st.step, "loss": run.loss, "lr": lr, "loss_scale": result.loss_scale, "skipped": result.skipped,
+           "grad_norm": result.grad_norm, "tokens": st.tokens_seen, "tokens_per_s": batch.tokens / dt,
+           "tokens_in_loss": st.tokens_in_loss, "tokens_in_loss_per_s": batch.tokens_in_loss / dt, **mem,
+           "time_s": since_start, "micro_batch": run.spec.micro_batch, **run.mon.end_step(st.step, mem)}
+    run.rd.append_metrics(row)
+    run.trackers.log(row, st.step)
+    return row
+
+
+def _between_steps(run: Run, stop: StopRequested) -> bool:
+    """Eval, the test hook, signals and the periodic checkpoint after a step. True when the run stops here."""
+    cfg, st = run.cfg, run.st
+    saved_here = False
+    if run.eval_data is not None and cfg.train.eval_every and st.step % cfg.train.eval_every == 0:
+        if run_eval(run):
+            run.status = "stopped_early"
+            logger.info(f"early stop at step {st.step}: {st.evals_since_best} evals without a lower eval loss than "
+                        f"{st.best_eval_loss:.4f}")
+            return True
+        saved_here = st.best_checkpoint == ckpt.step_dir(run.rd.checkpoints, st.step)
+    if run.hooks.after_step:
+        run.hooks.after_step(st.step)
+    if run.ranks.any(bool(stop)):  # ranks agree, so all of them save the same step
+        run.status = "interrupted"
+        return True
+    if (cfg.checkpoint.save and cfg.checkpoint.every_steps and st.step % cfg.checkpoint.every_steps == 0
+            and st.step < cfg.train.max_steps and not saved_here):
+        save_periodic(run)
+    return False
+
+
+def save_checkpoint(run: Run) -> str:
+    """A checkpoint of this step (engine state, the loop's :class:`State`, every rank's RNG, the ladder's rung)."""
+    st, cfg = run.st, run.cfg
+    client = {**st.client(), "samples_seen": st.step * cfg.train.global_batch_size,
+              "rng": run.ranks.gather(ckpt.rng_state())}
+    path = ckpt.save(run.engine, run.rd.checkpoints, st.step, client, ckpt.fixed_settings(run.asked),
+                     is_main=run.ranks.is_main, barrier=run.ranks.barrier, keep_last=cfg.checkpoint.keep_last,
+                     extra={"rung": asdict(run.spec.rung)}, during_save=run.hooks.during_save,
+                     predicted_bytes=run.spec.predicted("checkpoint_bytes"),
+                     keep=(st.best_checkpoint,) if cfg.checkpoint.keep_best and st.best_checkpoint else ())
+    logger.info(f"checkpoint {path}")
+    return path
+
+
+def save_periodic(run: Run) -> bool:
+    """A checkpoint on the way that does not fit on the disk is skipped with a warning (its partial files are
+    already gone) and the run goes on; the last one must fit (DiskFull ends the run as failed, with the last
+    good checkpoint). Returns whether it was written."""
+    try:
+        save_checkpoint(run)
+        return True
+    except DiskFull as e:
+        logger.warning(f"checkpoint at step {run.st.step} skipped: {e}; the run goes on, the last good checkpoint is "
+                       f"{ckpt.latest(run.rd.checkpoints) or 'none yet'}; fix: free space there or lower "
+                       "checkpoint.keep_last")
+        return False
+
+
+def run_eval(run: Run) -> bool:
+    """Eval loss and perplexity now; the best is kept (checkpoint.keep_best). True when the run should stop
+    (train.early_stopping_patience evals in a row without a lower loss)."""
+    st, cfg = run.st, run.cfg
+    ev = evaluate(run.engine, run.eval_data, run.spec.micro_batch, run.ranks, cfg.eval.max_batches)
+    improved = st.best_eval_loss is None or ev < st.best_eval_loss
+    if improved:
+        st.best_eval_loss, st.evals_since_best = ev, 0
+    else:
+        st.evals_since_best += 1
+    logger.info(f"eval loss {ev:.4f}, perplexity {perplexity(ev):.4g} at step {st.step}"
+                + (" (best so far)" if improved else f" (best {st.best_eval_loss:.4f}; {st.evals_since_best} "
+                                                     "without improvement)"))
+    run.trackers.log({"eval_loss": ev, "eval_perplexity": perplexity(ev), "eval_best_loss": st.best_eval_loss}, st.step)
+    if improved and cfg.checkpoint.keep_best and cfg.checkpoint.save:
+        previous, st.best_checkpoint = st.best_checkpoint, ckpt.step_dir(run.rd.checkpoints, st.step)
+        if not save_periodic(run):  # the checkpoint recorded itself as the best; it was not written
+            st.best_checkpoint = previous
+    patience = cfg.train.early_stopping_patience
+    return bool(patience) and st.evals_since_best >= patience
+
+
+# ---------------------------------------------------------------------------------------------------- finish
+def finish(run: Run) -> dict:
+    """What a run leaves behind, in the order that keeps the most if something fails: the final eval and
+    final/ (from the best checkpoint after an early stop), summary.json, memory.png, then the sample after
+    training, which is a courtesy: one that fails is a warning in the summary, never a failed run."""
+    eval_loss = _final_weights(run)
+    if run.diagnosis:
+        (logger.error if run.status == "failed" else logger.info)(f"stopped: {run.diagnosis}")
+    summary = summary_of(run, eval_loss)
+    try:
+        run.rd.write_json("summary.json", summary)
     except DiskFull as e:  # the run's state is in its last checkpoint and metrics.jsonl; say what is missing
-        summary["status"] = status = "failed"
+        summary["status"] = run.status = "failed"
         logger.error(f"summary.json not written: {e}; fix: free space there (the run's last checkpoint is "
-                     f"{last_ckpt}{', its weights are in final/' if os.path.isdir(rd.file('final')) else ''})")
-    if ranks.is_main and mon.csv_path and os.path.exists(mon.csv_path):
+                     f"{run.last_ckpt}{', its weights are in final/' if os.path.isdir(run.rd.file('final')) else ''})")
+    mon = run.mon
+    if run.ranks.is_main and mon.csv_path and os.path.exists(mon.csv_path):
         try:  # a picture must not fail a finished run
-            plots.plot_memory(mon.csv_path, rd.file("memory.png"), mon.step_peaks, summary["predicted_gpu_bytes"],
-                              summary["predicted_cpu_bytes"], mon.loop_start_s, rd.path)
+            plots.plot_memory(mon.csv_path, run.rd.file("memory.png"), mon.step_peaks, summary["predicted_gpu_bytes"],
+                              summary["predicted_cpu_bytes"], mon.loop_start_s, run.rd.path)
         except Exception as e:  # noqa: BLE001 -- matplotlib raises many kinds; the run's data is all saved
             logger.warning(f"memory.png not written: {type(e).__name__}: {e}")
-    # The sample is a courtesy: one that fails is a warning in the summary, never a failed run.
-    if status in ("completed", "stopped_early") and sample_prompt:
+    if run.finished and run.sample_prompt:
         try:
-            summary["sample"] = generate.run_sample(engine, sample_prompt, cfg, tokenizer, spec.precision, rd.path,
-                                                    ranks.is_main)
+            summary["sample"] = generate.run_sample(run.engine, run.sample_prompt, run.cfg, run.tokenizer,
+                                                    run.spec.precision, run.rd.path, run.ranks.is_main)
         except Exception as e:  # noqa: BLE001 -- anything the sample raises; the trained weights are saved
             summary["sample_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             logger.warning(f"the sample after training failed ({summary['sample_error']}); the run itself completed "
                            "and its weights are in final/")
-        rd.write_json("summary.json", summary)
+        run.rd.write_json("summary.json", summary)
     for line in progress.summary_lines(summary):
         logger.info(line)
-    engine.close()  # a DeepSpeed engine would otherwise stay in memory after the run (in-process callers)
+    run.engine.close()  # a DeepSpeed engine would otherwise stay in memory after the run (in-process callers)
     return summary
+
+
+def _final_weights(run: Run) -> float | None:
+    """The final eval loss (None without eval data), and final/ written for a finished run: from the best
+    checkpoint by eval loss after an early stop, else the last weights. A full disk fails the run here."""
+    st, cfg = run.st, run.cfg
+    best = st.best_checkpoint if run.status == "stopped_early" and st.best_checkpoint and os.path.isdir(
+        st.best_checkpoint) else None
+    if best:
+        run.engine.load(best)
+        logger.info(f"final/ from the best checkpoint {best} (eval loss {st.best_eval_loss:.4f})")
+    eval_loss = None
+    if run.eval_data is not None:
+        eval_loss = st.best_eval_loss if best else evaluate(run.engine, run.eval_data, run.spec.micro_batch,
+                                                            run.ranks, cfg.eval.max_batches)
+        if run.finished:
+            run.trackers.log({"eval_loss": eval_loss, "eval_perplexity": perplexity(eval_loss)}, st.step)
+    run.trackers.close()
+    if run.finished and cfg.checkpoint.save:
+        def write_final(tmp: str) -> None:
+            run.engine.save_final(tmp)
+            if run.tokenizer is not None and run.ranks.is_main:
+                run.tokenizer.save_pretrained(tmp)
+        try:
+            ckpt.write_dir_atomic(run.rd.file("final"), write_final, what="final/ (the trained weights)",
+                                  is_main=run.ranks.is_main, barrier=run.ranks.barrier)
+        except DiskFull as e:
+            run.status, run.diagnosis = "failed", disk_advice(e, run.rd, run.last_ckpt)
+    return eval_loss
+
+
+def summary_of(run: Run, eval_loss: float | None) -> dict:
+    """summary.json: how the run ended, its speed (steps after the first, which pays one-time costs), its memory
+    against the plan's, and every setting the plan chose."""
+    st, spec, mon = run.st, run.spec, run.mon
+    rows_after_first = run.rd.metrics()[1:] if run.ranks.is_main else []
+    measured = [m["tokens_per_s"] for m in rows_after_first]
+    in_loss = [m["tokens_in_loss_per_s"] for m in rows_after_first if m.get("tokens_in_loss_per_s") is not None]
+    elapsed = max(run.elapsed, 1e-9)
+    return {
+        "status": run.status, "engine": run.engine.name, "profile": spec.profile.name, "precision": spec.precision,
+        "device": str(run.device), "steps": st.step, "first_loss": st.first_loss, "final_loss": run.loss,
+        "eval_loss": eval_loss, "eval_perplexity": perplexity(eval_loss) if eval_loss is not None else None,
+        "best_eval_loss": st.best_eval_loss, "best_checkpoint": st.best_checkpoint,
+        "tokens_per_s": (sum(measured) / len(measured)) if measured else st.tokens_seen / elapsed,
+        "tokens_in_loss_per_s": (sum(in_loss) / len(in_loss)) if in_loss else st.tokens_in_loss / elapsed,
+        "peak_gpu_bytes": mon.peak_gpu_bytes(), "peak_gpu_reserved_bytes": mon.peak_gpu_reserved_bytes(),
+        "peak_cpu_rss_bytes": run.peak_rss, "peak_gpu_init_bytes": run.init_peak_gpu,
+        "predicted_gpu_bytes": spec.predicted("gpu_bytes"), "predicted_cpu_bytes": spec.predicted("cpu_bytes"),
+        "predicted_gpu_tensor_bytes": spec.predicted("gpu_tensor_bytes"),
+        "skipped_steps": st.skipped, "loss_scale": run.last_scale, "fallbacks": st.fallbacks,
+        "resumed_from": st.resumed_from, "optimizer": run.engine.optimizer_name, "micro_batch": spec.micro_batch,
+        "accumulation": spec.accumulation, "gradient_checkpointing": spec.checkpointing,
+        "checkpoint_every": spec.checkpoint_every, "world_size": run.ranks.world,
+        "predicted_step_s": spec.predicted("step_s"), "global_batch_size": run.cfg.train.global_batch_size,
+        "seq_len": run.cfg.data.seq_len, "elapsed_s": run.elapsed, "checkpoint": run.last_ckpt,
+        "reasons": list(spec.reasons), "diagnosis": run.diagnosis, "run_dir": run.rd.path, "sample": None,
+        "sample_error": None, "tracker_errors": run.trackers.failures, "threads": run.threads.to_dict(),
+        **mon.summary(),
+    }
 
 
 def prepare_run_dir(cfg: Config, ranks: dist.Dist, cleanup: contextlib.ExitStack
@@ -541,7 +679,6 @@ def make_engine(cfg: Config, spec: RunSpec, hw: Hardware, hf_config, rd: RunDir,
     return engine, model
 
 
-_PROCESS: list = []  # this process's psutil handle, made once (making one reads /proc: tens of microseconds a step)
 def disk_advice(e: OSError, rd: RunDir, last_ckpt: str | None) -> str:
     """The diagnosis of a run that a full disk stopped: what did not fit, and how to go on."""
     what = str(e) if isinstance(e, DiskFull) else disk_full_message(f"a write ({e})", rd.path)
@@ -550,6 +687,9 @@ def disk_advice(e: OSError, rd: RunDir, last_ckpt: str | None) -> str:
                 "checkpoint.keep_last), then run the same command again to resume from it")
     return (f"{what}; no checkpoint was written yet; fix: free space on that disk, or choose an output_dir on "
             "another, and start again with a new run_name")
+
+
+_PROCESS: list = []  # this process's psutil handle, made once (making one reads /proc: tens of microseconds a step)
 
 
 def memory_now(device: torch.device) -> dict:
