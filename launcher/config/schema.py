@@ -419,6 +419,16 @@ def parse_overrides(overrides: list[str]) -> dict:
     return OmegaConf.to_container(OmegaConf.from_dotlist(good)) if good else {}
 
 
+def with_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """A copy of ``cfg`` with ``key=value`` overrides applied, parsed and converted as the command line's are
+    (the one parser; the whole config is not checked again). Raises ConfigError on an unknown key or bad value."""
+    problems: list[str] = []
+    out = _build(Config, _merge(to_dict(cfg), parse_overrides(overrides)), "", problems)
+    if problems:
+        raise ConfigError(problems, "overrides")
+    return out
+
+
 def _merge(base: dict, extra: dict) -> dict:
     out = dict(base)
     for k, v in extra.items():

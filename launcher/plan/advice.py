@@ -3,9 +3,7 @@ shorter sequence, another engine, a smaller preset), then cumulative combination
 
 from __future__ import annotations
 
-import copy
-
-from launcher.config.schema import AUTO, Config, ConfigError
+from launcher.config.schema import AUTO, Config, ConfigError, with_overrides
 from launcher.machine.hardware import Hardware
 from launcher.model.presets import PRESETS
 from launcher.plan import planner
@@ -18,26 +16,6 @@ def add_suggestions(plan: planner.Plan, cfg: Config, hw: Hardware, profiles=None
         plan.suggestions, plan.suggested_overrides = suggestions(cfg, hw, profiles, world)
     return plan
 
-
-
-def _with(cfg: Config, overrides: list[str]) -> Config:
-    """A copy of ``cfg`` with this module's own ``key=value`` suggestions applied."""
-    new = copy.deepcopy(cfg)
-    for item in overrides:
-        key, value = item.split("=", 1)
-        *path, last = key.split(".")
-        obj = new
-        for part in path:
-            obj = getattr(obj, part)
-        if value.lower() in ("true", "false"):
-            val: object = value.lower() == "true"
-        else:
-            try:
-                val = int(value)
-            except ValueError:
-                val = value
-        setattr(obj, last, val)
-    return new
 
 
 def suggestions(cfg: Config, hw: Hardware, profiles=None, world: int = 1) -> tuple[list[str], list[list[str]]]:
@@ -81,7 +59,7 @@ def suggestions(cfg: Config, hw: Hardware, profiles=None, world: int = 1) -> tup
             if key in seen:
                 continue
             seen.add(key)
-            trial = _with(cfg, ov)
+            trial = with_overrides(cfg, ov)
             if trial.model.quantize != "none" and trial.lora.r == 0:
                 continue
             try:

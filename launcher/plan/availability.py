@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -160,6 +160,11 @@ class Availability:
             out.append(p)
         return sorted(out, key=rank_key)
 
+    def widened(self, cfg: Config, precision: str) -> Availability:
+        """This answer for ``cfg`` at ``precision`` (a profile and engine left to choose): what cannot run here
+        does not depend on which profile was asked, so only the settings' exclusions are worked out again."""
+        return replace(self, precision=precision, unwanted=_unwanted(cfg, precision, self.device, self.user))
+
     def engine_reason(self, chosen: Profile) -> str | None:
         """Why a torch engine was chosen over DeepSpeed (None when DeepSpeed was chosen or never possible)."""
         if chosen.engine == "deepspeed":
@@ -187,7 +192,7 @@ def assess(cfg: Config, hw: Hardware, local_rank: int = 0) -> Availability:
                            "their states in CUDA unified memory and need a CUDA GPU; fix: train.optimizer=adamw8bit "
                            "(the same 8-bit AdamW, not paged), or train on a GPU"])
     precision, why = precision_for(cfg, hw, device)
-    problems, unwanted = {}, {}
+    problems = {}
     user = user_ds_config.load(cfg, precision) if cfg.deepspeed_config else None
     if user is not None:
         problem = profile_problem(user.profile, cfg, hw, device)
@@ -199,6 +204,13 @@ def assess(cfg: Config, hw: Hardware, local_rank: int = 0) -> Availability:
         problem = profile_problem(p, cfg, hw, device)
         if problem:
             problems[p.name] = problem
+    return Availability(device, precision, why, problems, _unwanted(cfg, precision, device, user), user)
+
+
+def _unwanted(cfg: Config, precision: str, device: torch.device, user) -> dict:
+    """Profile -> why the settings rule it out (it could run here)."""
+    unwanted = {}
+    for p in PROFILES.values():
         if user is not None:
             unwanted[p.name] = f"deepspeed_config={cfg.deepspeed_config} is the run's profile"
         elif cfg.profile != AUTO and p.name != cfg.profile:
@@ -211,7 +223,7 @@ def assess(cfg: Config, hw: Hardware, local_rank: int = 0) -> Availability:
             unwanted[p.name] = NO_NVME_PATH
         elif device.type == "cpu" and p.offloads and not _asked_for(p, cfg):
             unwanted[p.name] = NO_GPU_TO_OFFLOAD
-    return Availability(device, precision, why, problems, unwanted, user)
+    return unwanted
 
 
 def engine_error(cfg: Config, avail: Availability) -> ConfigError:

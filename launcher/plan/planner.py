@@ -438,7 +438,7 @@ def _head_problem(config, trust_remote_code: bool) -> str | None:
 
 
 def plan(cfg: Config, hw: Hardware, profiles: list[str] | None = None, *, world: int = 1,
-         machine: Machine | None = None, exact_rows: bool = True) -> Plan:
+         machine: Machine | None = None, exact_rows: bool = True, avail: availability.Availability | None = None) -> Plan:
     """Plan every profile of the run's precision and choose the fastest one that fits.
 
     ``profiles``: plan only these; default: every profile of the run's precision (and the asked one).
@@ -452,7 +452,7 @@ def plan(cfg: Config, hw: Hardware, profiles: list[str] | None = None, *, world:
     a percent or two), which saves most of the traces of a plan.
     """
     t0 = time.perf_counter()
-    avail = availability.assess(cfg, hw)
+    avail = avail or availability.assess(cfg, hw)  # a caller that assessed ``cfg`` already passes its answer
     run = make_shape(cfg, hw, avail, world)
     if cfg.loss.chunked == "on" and run.head_problem:
         raise ConfigError([f"loss.chunked: got 'on', but {run.head_problem}; rule: chunking applies the output head "

@@ -74,13 +74,12 @@ def resolve(cfg: Config, hw: Hardware, world: int = 1, local_rank: int = 0, mach
         chosen = user.profile if user is not None else PROFILES[cfg.profile]
         problem = avail.problems.get(chosen.name)
         if problem:
-            alt = availability.assess(replace(cfg, profile=AUTO, engine=AUTO, precision=chosen.precision), hw,
-                                      local_rank).usable()
+            alt = avail.widened(replace(cfg, profile=AUTO, engine=AUTO), chosen.precision).usable()
             fix = f"profile={alt[0].name}" if alt else "profile=auto"
             raise ConfigError([f"profile: got {cfg.profile!r}; rule: its engine must be usable here, but {problem}; "
                                f"fix: {fix}" + (" or pip install 'vramfit[deepspeed]'" if "not installed" in problem
                                                 else "")])
-        plan = planner.plan(cfg, hw, [chosen.name], world=world, machine=machine)
+        plan = planner.plan(cfg, hw, [chosen.name], world=world, machine=machine, avail=avail)
         if user is not None:
             reasons.append(f"profile {chosen.name} from deepspeed_config {cfg.deepspeed_config}")
             reasons += list(user.notices)
@@ -102,7 +101,7 @@ def resolve(cfg: Config, hw: Hardware, world: int = 1, local_rank: int = 0, mach
         order = avail.usable()
         if not order:
             raise availability.engine_error(cfg, avail)
-        plan = planner.plan(cfg, hw, [p.name for p in order], world=world, machine=machine)
+        plan = planner.plan(cfg, hw, [p.name for p in order], world=world, machine=machine, avail=avail)
         if plan.chosen is None:
             advice.add_suggestions(plan, cfg, hw, [p.name for p in order], world)
             tips = "; ".join(plan.suggestions) or "a smaller model or more memory"
@@ -129,8 +128,7 @@ def resolve(cfg: Config, hw: Hardware, world: int = 1, local_rank: int = 0, mach
         user, ladder = user.with_batch_auto(), ()  # a custom profile never moves to a catalogue one
     else:
         # The OOM ladder may move to any profile of this precision and engine that can run, offload included.
-        ladder = availability.assess(replace(cfg, profile=AUTO, precision=chosen.precision), hw,
-                                     local_rank).usable(allow_offload=True)
+        ladder = avail.widened(replace(cfg, profile=AUTO), chosen.precision).usable(allow_offload=True)
     row = plan.get(chosen.name) if plan is not None else None
     chosen = _with_buckets(chosen, row)
     if row is not None and row.micro_batch == micro:  # the setting the planner chose (auto checkpointing included)
