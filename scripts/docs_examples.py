@@ -98,7 +98,7 @@ def seed_calibration(machine: dict, cache: str) -> None:
 
     before = torch.get_num_threads()
     try:
-        for n in sorted({1, 2, before, os.cpu_count() or 1}):
+        for n in range(1, max(before, os.cpu_count() or 1) + 1):
             torch.set_num_threads(n)
             speeds.write(speeds.Machine.from_dict(machine), cache)
     finally:
