@@ -105,7 +105,7 @@ def test_each_engine_gets_its_own_swap_folder_and_a_dead_runs_folder_goes(tmp_pa
     import sys
     from types import SimpleNamespace
 
-    from launcher.engines import SWAP_PREFIX, _host, nvme_folder
+    from launcher.engines.swap import SWAP_PREFIX, _host, nvme_folder
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead, here = int(gone.stdout), _host()

@@ -11,6 +11,7 @@ from launcher.engines.amp import AmpEngine
 from launcher.engines.base import Levers, make_optimizer
 from launcher.engines.deepspeed import DeepSpeedEngine, restore_torch_functions
 from launcher.engines.fsdp import FsdpEngine
+from launcher.engines.swap import nvme_folder
 from launcher.log import logger
 from launcher.machine.hardware import Hardware, pin_memory_ok
 from launcher.model.build import param_groups
@@ -66,70 +67,6 @@ def build(cfg, spec, model, hw: Hardware, hidden_size: int, lr: float):
     return AmpEngine(model, precision=spec.precision, device=spec.device, param_groups=groups, lr=lr, betas=betas,
                      eps=t.eps, grad_clip=t.grad_clip, loss_scale=cfg.loss_scale, optimizer=t.optimizer,
                      levers=levers), None
-
-
-SWAP_PREFIX = "vramfit-swap-"
-
-
-def nvme_folder(cfg, spec) -> str:
-    """ZeRO-Infinity's swap folder: a new folder of this engine's under ``memory.nvme_path``
-    (``vramfit-swap-<host>-<pid>-<random>``). DeepSpeed writes a file per swapped tensor there and never deletes
-    them, and its checkpoints copy the whole folder, so each engine (an OOM ladder's rebuild is another) gets its
-    own: a checkpoint then holds only its engine's files. The engine removes it when it closes
-    (:meth:`DeepSpeedEngine.close`); folders left by processes of this host that no longer run (killed) are
-    removed here."""
-    if not spec.profile.nvme:
-        return ""
-    import os
-    import tempfile
-
-    root = os.path.abspath(os.path.expanduser(cfg.memory.nvme_path))
-    remove_stale_swap_folders(root)
-    return tempfile.mkdtemp(prefix=f"{SWAP_PREFIX}{_host()}-{os.getpid()}-", dir=root)
-
-
-def _host() -> str:
-    import socket
-
-    return socket.gethostname().replace("/", "_") or "host"
-
-
-def remove_stale_swap_folders(root: str) -> list[str]:
-    """Remove the swap folders under ``root`` that this host's processes made and that are gone (a run killed
-    before its engine closed): gigabytes of scratch that would otherwise fill the disk run after run. Only this
-    host's: a disk mounted in several containers or machines holds folders whose process IDs mean nothing
-    here. Returns what was removed."""
-    import os
-    import shutil
-
-    from launcher.machine.files import tree_bytes
-
-    removed = []
-    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-        host, pid, _ = (name[len(SWAP_PREFIX):].rsplit("-", 2) + ["", "", ""])[:3] if name.startswith(
-            SWAP_PREFIX) and name.count("-") >= 4 else ("", "", "")
-        path = os.path.join(root, name)
-        if (host != _host() or not pid.isdigit() or not os.path.isdir(path) or os.path.islink(path)
-                or _alive(int(pid))):
-            continue
-        size = tree_bytes(path)
-        shutil.rmtree(path, ignore_errors=True)
-        logger.info(f"removed {path} ({size / 2**30:.2f} GiB): the NVMe swap folder of a run that is no longer "
-                    f"running (process {pid})")
-        removed.append(path)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    import os
-
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def offload_pinning(spec, hw: Hardware) -> tuple[bool, str]:

@@ -9,12 +9,11 @@ boundary, so ``forward_backward`` calls it for the non-boundary micro-batches.
 
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
 
 import torch
 
+from launcher.engines import swap
 from launcher.engines.base import Levers, StepResult, batch_to, forward_loss
 from launcher.log import logger
 from launcher.machine import dist
@@ -45,15 +44,6 @@ def ops_loaded(ds_config: dict, device: torch.device) -> list[str]:
     return ops
 
 
-_SWAP_FOLDERS: set[str] = set()  # the swap folders of engines not closed yet: removed at exit if still there
-
-
-@atexit.register
-def _remove_swap_folders() -> None:
-    for folder in list(_SWAP_FOLDERS):
-        shutil.rmtree(folder, ignore_errors=True)
-
-
 def _number_parameters_from_zero() -> None:
     """Number the next model's ZeRO-3 parameters from 0, as in a new process. DeepSpeed gives each parameter a
     ``ds_id`` from a process-wide counter, and names its NVMe swap files after them (``0_38.tensor.swp``,
@@ -81,7 +71,7 @@ class DeepSpeedEngine:
         """``optimizer``: (a torch optimizer over ``param_groups``, its name), DeepSpeed's client optimizer
         (the catalogue's profiles: torch's fused AdamW, no compiler needed); None: DeepSpeed builds the one
         the config's ``optimizer`` section names (its FusedAdam or DeepSpeedCPUAdam ops). ``swap_folder``: the
-        NVMe swap folder made for this engine (launcher.engines.nvme_folder), removed when it closes or, failing
+        NVMe swap folder made for this engine (launcher.engines.swap.nvme_folder), removed when it closes or, failing
         that, when the process exits."""
         import deepspeed
 
@@ -102,8 +92,6 @@ class DeepSpeedEngine:
         self.levers = levers
         client, client_name = optimizer if optimizer is not None else (None, None)
         self.swap_folder = swap_folder
-        if swap_folder:
-            _SWAP_FOLDERS.add(swap_folder)
         zero = ds_config.get("zero_optimization", {})
         if zero.get("stage") == 3 and (zero.get("offload_optimizer") or {}).get("device") == "nvme":
             _number_parameters_from_zero()
@@ -158,9 +146,7 @@ class DeepSpeedEngine:
         ZeRO-3's replacement of torch.nn.functional.linear."""
         self.engine.destroy()
         restore_torch_functions()
-        if self.swap_folder:
-            shutil.rmtree(self.swap_folder, ignore_errors=True)
-            _SWAP_FOLDERS.discard(self.swap_folder)
+        swap.release(self.swap_folder)
 
     def portable_state(self) -> dict:
         """fp32 master weights and Adam moments by parameter name, on the CPU (to rebuild another engine)."""
