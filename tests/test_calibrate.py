@@ -15,7 +15,7 @@ from helpers import needs_deepspeed, run_cli
 from launcher.config.profiles import PROFILES
 from launcher.machine import speeds
 from launcher.machine.speeds import Machine, Rates
-from launcher.measure import calibrate
+from launcher.measure import calibrate, engine_costs, timing
 from launcher.plan import steptime
 
 
@@ -131,9 +131,9 @@ def test_corrections_are_kept_with_the_calibration(tmp_path):
 
 
 def test_nonneg_least_squares():
-    assert calibrate.nonneg_lstsq([[1, 1], [1, 3]], [3, 7]) == pytest.approx([1, 2])
-    assert calibrate.nonneg_lstsq([[1, 1], [1, 3]], [5, 3]) == pytest.approx([4, 0])  # falling: no negative slope
-    assert calibrate.nonneg_lstsq([[1, 1], [1, 3]], [-1, -2]) == [0, 0]
+    assert timing.nonneg_lstsq([[1, 1], [1, 3]], [3, 7]) == pytest.approx([1, 2])
+    assert timing.nonneg_lstsq([[1, 1], [1, 3]], [5, 3]) == pytest.approx([4, 0])  # falling: no negative slope
+    assert timing.nonneg_lstsq([[1, 1], [1, 3]], [-1, -2]) == [0, 0]
 
 
 def test_a_slowed_round_of_engine_timing_does_not_set_the_engine_costs(monkeypatch):
@@ -151,12 +151,12 @@ def test_a_slowed_round_of_engine_timing_does_not_set_the_engine_costs(monkeypat
         return {"depth": depth, "hidden": hidden or 64, "build_s": 0.0, "micro_s": [slow * cost] * s.engine_steps,
                 "boundary_and_step_s": [2 * slow * cost] * s.engine_steps, "pinned": False}
 
-    monkeypatch.setattr(calibrate, "_time_engine", timed)
-    monkeypatch.setattr(calibrate, "_engine_problem", lambda *a: None)
-    monkeypatch.setattr(calibrate, "_predicted", lambda p, m, depth, *a: (0.0, 0.0, *sizes[depth]))
-    s = calibrate.Sizes(families=("amp",), engine_depths=(1, 4), engine_wide=(2, 256))
+    monkeypatch.setattr(engine_costs, "_time_engine", timed)
+    monkeypatch.setattr(engine_costs, "_engine_problem", lambda *a: None)
+    monkeypatch.setattr(engine_costs, "_predicted", lambda p, m, depth, *a: (0.0, 0.0, *sizes[depth]))
+    s = timing.Sizes(families=("amp",), engine_depths=(1, 4), engine_wide=(2, 256))
     raw, skipped = {}, {}
-    found = calibrate._engines(fake_machine(), torch.device("cpu"), s, raw, skipped)
+    found = engine_costs.measure(fake_machine(), torch.device("cpu"), s, raw, skipped)
     assert len(rounds) == 3 * s.engine_rounds and not skipped
     assert [found["amp"][k] for k in ("micro_s", "micro_tensor_s", "micro_param_s")] == pytest.approx(
         [micro_s, tensor_s, param_s], rel=1e-3)
@@ -181,7 +181,7 @@ def test_each_optimizer_is_made_once_and_steps_both_sets_from_an_empty_state(mon
 
     monkeypatch.setattr(calibrate, "optimizer_factories",
                         lambda gpu, deepspeed=True: [("recording@cpu", "cpu", Recording, None)])
-    s = calibrate.Sizes.quick()
+    s = timing.Sizes.quick()
     raw, skipped = {}, {}
     found = calibrate._optimizers(False, s, raw, skipped)
     count, size = s.optimizer_tensors
@@ -205,7 +205,7 @@ def test_the_heap_is_frozen_only_while_engines_are_timed():
     class Node:
         pass
 
-    with pytest.raises(RuntimeError), calibrate._frozen_heap():
+    with pytest.raises(RuntimeError), engine_costs._frozen_heap():
         assert gc.get_freeze_count() > 0
         a, b = Node(), Node()
         a.other, b.other = b, a
@@ -220,9 +220,9 @@ def test_the_heap_is_frozen_only_while_engines_are_timed():
 def test_the_keys_are_the_step_time_models():
     """Each family calibrated by the catalogue profile the step-time model files under it, and an optimizer
     measured for every kind a profile steps with."""
-    for fam in calibrate.FAMILIES:
+    for fam in timing.FAMILIES:
         for gpu_bf16 in (None, True, False):
-            assert steptime.family(calibrate.profile_for(fam, gpu_bf16)) == fam
+            assert steptime.family(engine_costs.profile_for(fam, gpu_bf16)) == fam
     for gpu, device in ((False, "cpu"), (True, "cuda")):
         keys = {k for k, *_ in calibrate.optimizer_factories(gpu)}
         for p in PROFILES.values():
@@ -286,8 +286,8 @@ def test_deepspeed_engine_and_optimizers(tmp_path):
     where the op is built already (each optimizer), else skipped with a reason."""
     from launcher.machine.hardware import cpu_adam_status
 
-    s = calibrate.Sizes.quick()
-    s = calibrate.Sizes(**{**s.__dict__, "families": ("amp", "zero2_offload"), "deepspeed": True})
+    s = timing.Sizes.quick()
+    s = timing.Sizes(**{**s.__dict__, "families": ("amp", "zero2_offload"), "deepspeed": True})
     built = cpu_adam_status(None) == "built"  # scripts/setup.sh builds it; a bare install JIT-builds it on first use
     m = calibrate.calibrate(s, output_dir=str(tmp_path))
     skipped = m.measured["skipped"]

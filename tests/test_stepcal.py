@@ -4,7 +4,7 @@ prediction must come back near what was measured."""
 import pytest
 
 from launcher.machine.speeds import Rates
-from launcher.measure import calibrate, stepcal
+from launcher.measure import stepcal, timing
 from launcher.plan.steptime import op_seconds
 
 
@@ -46,8 +46,8 @@ def test_curve_takes_the_median_per_size_and_continues_with_the_looped_shape():
 
 def test_nonneg_lstsq_keeps_every_coefficient_at_or_above_zero():
     rows = [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]
-    assert calibrate.nonneg_lstsq(rows, [2.0, 3.0, 5.0]) == pytest.approx([2.0, 3.0])
-    a, b = calibrate.nonneg_lstsq(rows, [-1.0, 3.0, 2.0])
+    assert timing.nonneg_lstsq(rows, [2.0, 3.0, 5.0]) == pytest.approx([2.0, 3.0])
+    a, b = timing.nonneg_lstsq(rows, [-1.0, 3.0, 2.0])
     assert a == 0.0 and b > 0
 
 

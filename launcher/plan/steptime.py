@@ -146,7 +146,7 @@ def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int
     notes = []
     compute, _fixed = op_seconds(ops, machine.compute, host_bound=on_gpu, precision=p.precision)
     fam = family(p)
-    # a family measured at this precision (a CPU's DeepSpeed bf16, see calibrate.CPU_EXTRA), else at its own
+    # a family measured at this precision (a CPU's DeepSpeed bf16, see launcher.measure.timing.CPU_EXTRA), else at its own
     eng = machine.engines.get(f"{fam}@{p.precision}") or machine.engines.get(fam) or machine.engines.get("amp") or {}
     if fam not in machine.engines:
         notes.append(f"no measured fixed costs for {fam}: those of amp stand in")
