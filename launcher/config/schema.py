@@ -77,6 +77,9 @@ class LoraConfig:
     alpha: float = _f(16.0, "LoRA scaling numerator (scale = alpha / r).", min=0)
     dropout: float = _f(0.0, "Dropout on the LoRA input.", min=0.0, below=1.0)  # 1: the adapters see only zeros
     target_modules: list = _f(["all-linear"], "Module names to adapt; 'all-linear' = every linear layer of the decoder.")
+    experts: str = _f("auto", "A mixture-of-experts model's expert weights (3-D parameters, not linear layers): "
+                      "true adapts them, false leaves them out, auto adapts them with target_modules=all-linear. "
+                      "The router stays frozen.", choices=("auto", "true", "false"))
 
 
 RECORD_FORMATS = ("auto", "text", "prompt_response", "alpaca", "messages")

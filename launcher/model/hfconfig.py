@@ -149,3 +149,11 @@ def check_seq_len(config, seq_len: int) -> None:
     if max_pos and seq_len > max_pos:
         raise ConfigError([f"data.seq_len: got {seq_len}; rule: at most the model's maximum of {max_pos} positions; "
                            f"fix: data.seq_len={max_pos}"])
+
+
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def has_experts(config) -> bool:
+    """A mixture-of-experts model, told by its config's count of routed experts (the key differs by family)."""
+    return any(int(getattr(config, k, 0) or 0) > 1 for k in EXPERT_COUNT_KEYS)

@@ -17,9 +17,16 @@ from launcher.log import logger
 from launcher.model import quantize, targets
 
 
-def resolve_targets(cfg: Config, model: torch.nn.Module) -> list[str]:
-    """``lora.target_modules`` -> module names for peft; a ConfigError for names that match no linear layer."""
+def resolve_targets(cfg: Config, model: torch.nn.Module) -> tuple[list[str], list[str]]:
+    """``lora.target_modules`` and ``lora.experts`` -> (module names for peft's ``target_modules``, parameter names
+    for its ``target_parameters``); a ConfigError for names that match no linear layer, or experts asked of a
+    model without them."""
     wanted = list(cfg.lora.target_modules)
+    experts = targets.expert_parameters(model)
+    if cfg.lora.experts == "true" and not experts:
+        raise ConfigError([f"lora.experts: got 'true', but {cfg.model.name!r} has no expert weights (3-D parameters of "
+                           "a mixture-of-experts layer); rule: only a mixture-of-experts model has experts to adapt; "
+                           "fix: lora.experts=auto"])
     if targets.is_all_linear(wanted) and not targets.linear_modules(model):
         raise ConfigError([f"lora.target_modules: {cfg.model.name!r} has no linear layers besides its output "
                            "head; rule: LoRA adapts linear layers; fix: lora.r=0 (full fine-tune)"])
@@ -31,7 +38,8 @@ def resolve_targets(cfg: Config, model: torch.nn.Module) -> list[str]:
                            f"{cfg.model.name!r}; rule: names of linear modules (or a dotted suffix of one); the "
                            f"model's linear layers are: {', '.join(targets.leaf_names(every))}; fix: "
                            f"lora.target_modules=all-linear, or a subset of those names"])
-    return targets.for_peft(model, wanted)
+    chosen = targets.with_experts(wanted, cfg.lora.experts, bool(experts))
+    return targets.for_peft(model, wanted), targets.parameter_targets(targets.adapted_parameters(model, chosen))
 
 
 def check(cfg: Config, hf_config) -> list[str] | None:
@@ -56,17 +64,21 @@ def apply_lora(cfg: Config, model: torch.nn.Module, base_name: str | None = None
     """Wrap ``model`` in a peft LoRA model: base frozen, adapters (fp32) trainable."""
     from peft import LoraConfig, get_peft_model
 
-    names = resolve_targets(cfg, model)
+    names, params = resolve_targets(cfg, model)
+    experts = len(targets.expert_parameters(model))
     lc = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout, target_modules=names,
-                    bias="none", task_type="CAUSAL_LM")
+                    target_parameters=params or None, bias="none", task_type="CAUSAL_LM")
     # autocast_adapter_dtype: adapters of a 16-bit base are made fp32, as the optimizer and GradScaler need.
     with warnings.catch_warnings():  # peft asks a deprecated transformers property; nothing for the user to do
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         peft_model = get_peft_model(model, lc, autocast_adapter_dtype=True)
     peft_model.peft_config["default"].base_model_name_or_path = base_name or cfg.model.name
     n = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-    logger.info(f"LoRA r={cfg.lora.r} alpha={cfg.lora.alpha:g} dropout={cfg.lora.dropout:g} on {', '.join(names)}: "
-                f"{n / 1e6:.3f}M trainable parameters")
+    what = ", ".join(names) + (f" + the experts' {', '.join(p.split('.')[-1] for p in params)} ({experts} expert "
+                               "weights; the router stays frozen)" if params else "")
+    logger.info(f"LoRA r={cfg.lora.r} alpha={cfg.lora.alpha:g} dropout={cfg.lora.dropout:g} on {what}: "
+                f"{n / 1e6:.3f}M trainable parameters"
+                + (f"; the experts are left out (lora.experts={cfg.lora.experts})" if experts and not params else ""))
     return peft_model
 
 

@@ -4,6 +4,10 @@
 transformers' GPT-2 style ``Conv1D``), the output head left out: peft's own rule, resolved here so the
 names can be printed and checked before anything is loaded. Any other target matches a module whose full
 name equals it or ends with ``.<target>`` (peft's rule for strings), among all linear layers, head included.
+
+Mixture-of-experts models keep their experts' weights as 3-D parameters (experts x out x in), not linear layers;
+``lora.experts`` adapts them through peft's ``target_parameters``. In a target list the planner and the trace
+share, :data:`EXPERTS` stands for "and the experts' weights". The router is never adapted (it stays frozen).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 from torch import nn
 
 ALL_LINEAR = "all-linear"
+EXPERTS = "+experts"  # in a target list: the experts' stacked weights too (peft's target_parameters)
 
 
 def is_linear(module: nn.Module) -> bool:
@@ -43,8 +48,31 @@ def matches(target: str, name: str) -> bool:
 
 
 def is_all_linear(targets) -> bool:
-    targets = [targets] if isinstance(targets, str) else list(targets)
+    targets = [t for t in ([targets] if isinstance(targets, str) else list(targets)) if t != EXPERTS]
     return not targets or any(t.lower() == ALL_LINEAR for t in targets)
+
+
+def expert_parameters(model: nn.Module) -> list[str]:
+    """Full names of the experts' stacked weights (3-D parameters: one matrix per expert)."""
+    return [n for n, p in model.named_parameters() if p.dim() == 3]
+
+
+def adapted_parameters(model: nn.Module, targets) -> list[str]:
+    """Full names of the parameters LoRA adapts under ``targets`` (the experts' weights with :data:`EXPERTS`)."""
+    return expert_parameters(model) if EXPERTS in targets else []
+
+
+def parameter_targets(names: list[str]) -> list[str]:
+    """What to hand peft's ``target_parameters``: each weight's module and name (``experts.gate_up_proj``), once."""
+    return list(dict.fromkeys(".".join(n.split(".")[-2:]) for n in names))
+
+
+def with_experts(targets, experts: str, has_experts: bool) -> tuple:
+    """``targets`` plus :data:`EXPERTS` where ``lora.experts`` adapts the experts: ``true``, or ``auto`` with
+    all-linear; only for a model that has experts."""
+    targets = tuple(t for t in targets if t != EXPERTS)
+    adapt = experts == "true" or (experts == "auto" and is_all_linear(targets))
+    return targets + (EXPERTS,) if adapt and has_experts else targets
 
 
 def unknown(model: nn.Module, targets) -> list[str]:
@@ -52,17 +80,17 @@ def unknown(model: nn.Module, targets) -> list[str]:
     if is_all_linear(targets):
         return []
     every = linear_modules(model, head=True)
-    return [t for t in targets if not any(matches(t, n) for n in every)]
+    return [t for t in targets if t != EXPERTS and not any(matches(t, n) for n in every)]
 
 
 def adapted(model: nn.Module, targets=(ALL_LINEAR,)) -> list[str]:
     """Full names of the modules LoRA adapts under ``targets``."""
     if is_all_linear(targets):
         return linear_modules(model)
-    return [n for n in linear_modules(model, head=True) if any(matches(t, n) for t in targets)]
+    return [n for n in linear_modules(model, head=True) if any(matches(t, n) for t in targets if t != EXPERTS)]
 
 
 def for_peft(model: nn.Module, targets) -> list[str]:
     """What to hand peft's ``target_modules``: the leaf names of every adapted layer for all-linear, else the
     targets as written."""
-    return leaf_names(linear_modules(model)) if is_all_linear(targets) else list(targets)
+    return leaf_names(linear_modules(model)) if is_all_linear(targets) else [t for t in targets if t != EXPERTS]

@@ -31,9 +31,10 @@ from launcher.machine.hardware import Hardware, pin_memory_ok
 from launcher.machine.speeds import Machine
 from launcher.model import hfconfig
 from launcher.model.loss import HeadNotPlain, head_problem
+from launcher.model.targets import ALL_LINEAR, with_experts
 from launcher.plan import availability, steptime
 from launcher.plan.availability import Availability
-from launcher.plan.memory.estimate import ActivationEstimate, compose_every, estimate_activations
+from launcher.plan.memory.estimate import ActivationEstimate, compose_every, counted_activations, estimate_activations
 from launcher.plan.memory.shape import count_params
 from launcher.plan.memory.states import (
     ALLOCATOR_SLACK,
@@ -80,6 +81,7 @@ class ProfilePlan:
     checkpoint_every: int = 1  # with checkpointing: every k-th decoder layer recomputes
     chunked_loss: bool = False  # head + cross-entropy in chunks (loss.chunked)
     offload_activations: bool = False  # saved activations in CPU memory (memory.offload_activations)
+    activations_counted: str | None = None  # no trace could be made (why): activations counted from the config
     step_s: float | None = None  # predicted seconds per optimizer step (None: no machine speeds to price it)
     tokens_per_s: float | None = None
     eta_s: float | None = None  # the whole run (train.max_steps steps)
@@ -138,7 +140,12 @@ class Plan:
                 "suggested_overrides": [list(o) for o in self.suggested_overrides], "model": self.model,
                 "settings": self.settings, "assumptions": self.assumptions, "activations": self.activations,
                 "seconds": round(self.seconds, 3), "machine": self.machine, "candidates": list(self.candidates),
-                "runner_up": self.runner_up}
+                "runner_up": self.runner_up, "activations_counted": self.activations_counted}
+
+    @property
+    def activations_counted(self) -> str | None:
+        """Why the activations are counted from the config rather than traced (None: traced, as usual)."""
+        return next((r.activations_counted for r in self.profiles if r.activations_counted), None)
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=2)
@@ -222,26 +229,22 @@ def _trace_settings(run: RunShape, family: str, micro_batch: int) -> TraceSettin
                          offload_activations=run.offload_activations, packed=run.packed)
 
 
-class PlanError(RuntimeError):
-    """The model could not be measured (its forward does not run on the meta device)."""
-
-
 def _activations(run: RunShape, family: str, micro_batch: int, exact: bool = True,
                  compose: bool = False) -> ActivationEstimate:
     """The activation estimate of ``run`` at ``micro_batch``; ``compose``: every k-th layer checkpointed composed
     from the traces with none and with all (:func:`launcher.plan.memory.estimate.compose_every`) where it applies."""
+    s = _trace_settings(run, family, micro_batch)
     try:
-        s = _trace_settings(run, family, micro_batch)
         if compose and (est := compose_every(run.config, s, run.trust_remote_code)) is not None:
             return est
         return estimate_activations(run.config, s, run.trust_remote_code, exact)
     except HeadNotPlain as e:
         raise ConfigError([str(e)]) from None
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 -- whatever a model's forward raises on meta: the plan goes on, estimated
         arch = type(run.config).__name__.replace("Config", "")
-        raise PlanError(f"the activation trace of {arch} failed on the meta device ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''}); the memory plan needs it. Fix: name a "
-                        "profile (profile=NAME) to train without the plan, and report the model") from e
+        why = (f"the activation trace of {arch} failed on the meta device ({type(e).__name__}: "
+               f"{str(e).splitlines()[0] if str(e) else ''})")
+        return counted_activations(run.config, s, run.counts.trainable, why)
 
 
 def _ops(est: ActivationEstimate, run: RunShape) -> dict:
@@ -370,7 +373,8 @@ def _plan_profile(p: Profile, run: RunShape, micro_batch: int, gpu_budget: int, 
                       chunked_loss=run.chunked_loss, offload_activations=run.offload_activations)
     on_disk = files_on_disk(p, run.counts, run.lora_r, run.optimizer)
     row.checkpoint_bytes, row.final_bytes = on_disk["checkpoint"], on_disk["final"]
-    if machine is not None and est is not None:
+    row.activations_counted = est.counted if est is not None else None
+    if machine is not None and est is not None and not est.counted:  # no trace, no ops to price
         t = steptime.predict(p, machine, ops=_ops(est, run), counts=run.counts, micro_batch=micro_batch,
                              accumulation=accumulation, seq_len=run.seq_len, world=run.world, pinned=pinned,
                              optimizer=run.optimizer, lora=run.lora_r > 0,
@@ -400,7 +404,8 @@ def _micro_batch_candidates(run: RunShape, asked) -> list[int]:
 def make_shape(cfg: Config, hw: Hardware, avail: Availability, world: int = 1) -> RunShape:
     config = hfconfig.load(cfg.model.name, cfg.model.trust_remote_code)
     hfconfig.check_seq_len(config, cfg.data.seq_len)  # plan refuses what train would
-    targets = tuple(cfg.lora.target_modules) or ("all-linear",)
+    targets = with_experts(tuple(cfg.lora.target_modules) or (ALL_LINEAR,), cfg.lora.experts,
+                           hfconfig.has_experts(config))
     counts = count_params(config, cfg.lora.r, targets, cfg.model.trust_remote_code)
     device = avail.device.type
     return RunShape(config=config, counts=counts, device=device,

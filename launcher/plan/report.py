@@ -18,7 +18,12 @@ def format_table(plan: Plan) -> str:
              f"checkpointing {ck}, LoRA r={s.get('lora_r')}, quantize {s.get('quantize')}, optimizer {s.get('optimizer')}",
              f"budget: GPU {gib(plan.budget['gpu_bytes'])} ({plan.budget['gpu_source']}); "
              f"CPU {gib(plan.budget['cpu_bytes'])} ({plan.budget['cpu_source']})",
-             f"step times: {plan.machine or plan.assumptions.get('step_time', 'not priced')}", ""]
+             f"step times: {plan.machine or plan.assumptions.get('step_time', 'not priced')}"]
+    if plan.activations_counted:
+        lines.append(f"ESTIMATE: {plan.activations_counted}; activations are counted from the config's sizes "
+                     "(docs/planner.md, when no trace can be made), weights and optimizer states exactly; steps are not "
+                     "priced")
+    lines.append("")
     priced = any(r.step_s is not None for r in plan.profiles)
     head = ["profile", "GPU peak GiB", "CPU peak GiB", "fits", "micro-batch", "checkpointing",
             "s/step" if priced else "speed rank", "tokens/s" if priced else "", "note"]

@@ -111,6 +111,9 @@ def resolve(cfg: Config, hw: Hardware, world: int = 1, local_rank: int = 0, mach
         why_engine = avail.engine_reason(chosen) if cfg.engine == AUTO else None
         if why_engine:
             reasons.append(why_engine)
+    if plan is not None and plan.activations_counted:
+        reasons.append(f"warning: the plan is an estimate: {plan.activations_counted}; activations counted from the "
+                       "config's sizes, weights and optimizer states exact (the OOM ladder steps in if it is short)")
     micro = cfg.train.micro_batch_size
     if micro == AUTO and user is not None and user.micro_batch:
         micro = user.micro_batch

@@ -22,6 +22,8 @@ import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from launcher.model import loss as lossmod
 from launcher.model.structure import num_layers
 from launcher.plan.memory import trace
@@ -50,6 +52,7 @@ class ActivationEstimate:
     offloaded: int = 0  # activation offload: CPU bytes held at once (pinned copies of saved tensors)
     offload_copied: int = 0  # activation offload: bytes copied to the CPU per micro-batch (and back again)
     composed: bool = False  # from the traces with no and with every layer checkpointed (compose_every)
+    counted: str | None = None  # no trace could be made (why): counted from the config (counted_activations)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -391,3 +394,69 @@ def estimate_activations(config, settings: TraceSettings, trust_remote_code: boo
         offloaded=ext(one.offloaded, two.offloaded), offload_copied=ext(one.offload_copied, two.offload_copied))
     _ESTIMATES[key] = est
     return est
+
+
+# ------------------------------------------------------------------------------------------------
+# When no trace can be made: activations counted from the config
+
+
+def _size(config, *names, default: int = 0) -> int:
+    for n in names:
+        v = getattr(config, n, None)
+        if v:
+            return int(v)
+    return default
+
+
+# The count is scaled by this so that it lies above what the trace counts for every family of the architecture zoo
+# (scripts/validate_zoo.py: the unscaled count was 0.71x-1.35x of the traced peak): a bound, not a guess.
+COUNTED_MARGIN = 1.45
+
+
+def counted_activations(config, settings: TraceSettings, trainable: int, why: str) -> ActivationEstimate:
+    """The activation bytes of one step counted from the config's sizes, for a model whose trace cannot be made
+    (``why``). Per decoder layer and token, 4 bytes an element (2 where the whole model is 16-bit; under autocast
+    the norms, residuals and losses stay fp32), times :data:`COUNTED_MARGIN`: the
+    layer's input and its two norms' outputs (3 x hidden), queries and keys before and after the rotary embedding
+    and the values (2 x hidden + 3 x kv width), the attention's output and the output projection's input
+    (2 x hidden), the residual sum (hidden), and the MLP's gate, up, activation and product (4 x intermediate) --
+    for a mixture-of-experts layer the routed ones (top-k x the expert's intermediate, plus any shared expert's) and
+    the router's logits in fp32; eager attention adds its probabilities (2 x heads x sequence, saved and dropped
+    out). With checkpointing a layer keeps its input alone, and one layer is recomputed at a time. The head keeps
+    its fp32 logits and their gradient (2 x vocabulary x 4 bytes a token, none chunked). Weights and optimizer
+    states are counted exactly elsewhere; this bound leaves out what a model does beyond that shape."""
+    s = settings
+    tokens = s.batch_size * s.seq_len
+    e = 2 if s.autocast_dtype is None and s.param_dtype in (torch.float16, torch.bfloat16) else 4
+    h = _size(config, "hidden_size", "n_embd", "d_model")
+    heads = _size(config, "num_attention_heads", "n_head", default=1)
+    head_dim = _size(config, "head_dim", default=h // max(1, heads))
+    kv = _size(config, "num_key_value_heads", default=heads) * head_dim
+    q = heads * head_dim
+    experts = max((int(getattr(config, k, 0) or 0) for k in ("num_experts", "num_local_experts", "n_routed_experts")),
+                  default=0)
+    if experts > 1:
+        top_k = _size(config, "num_experts_per_tok", "moe_topk", "top_k", default=2)
+        inter = top_k * _size(config, "moe_intermediate_size", "intermediate_size", default=4 * h)
+        inter += _size(config, "shared_expert_intermediate_size", default=0)
+        router = experts * 4 + top_k * 8  # fp32 logits, the routing weights and indices
+    else:
+        inter, router = _size(config, "intermediate_size", "n_inner", "ffn_dim", default=4 * h), 0
+    per_token = e * (3 * h + 2 * q + 3 * kv + 2 * h + h + 4 * inter) + router
+    if s.attn_implementation == "eager" or s.attention_kernel == "math":
+        per_token += e * 2 * heads * s.seq_len
+    layer = int(tokens * per_token * COUNTED_MARGIN)
+    n = num_layers(config)
+    kept = tokens * h * e * n + layer if s.gradient_checkpointing else layer * n
+    vocab = _size(config, "vocab_size", default=32000)
+    logits = 0 if s.chunked_loss else 2 * tokens * vocab * 4
+    grads = trainable * 4
+    saved = {"embeddings": tokens * h * e, "layers": kept - (layer if s.gradient_checkpointing else 0),
+             "head": logits // 2, "other": 0}
+    parts = {"layer": kept, "head": logits}
+    return ActivationEstimate(
+        settings=s, num_layers=n, saved=saved, saved_per_layer=layer if not s.gradient_checkpointing else tokens * h * e,
+        autocast_cache=0, peak=kept + logits, peak_parts=parts, peak_segment="counted",
+        peak_with_grads=kept + logits + grads, peak_with_grads_parts={**parts, "param_grad": grads},
+        peak_with_grads_segment="counted", param_grads=grads, trace_seconds=0.0, counted=why)
+

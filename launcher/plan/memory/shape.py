@@ -9,6 +9,7 @@ period; none of the presets does.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import asdict, dataclass
 
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from launcher.model.structure import decoder_layers, num_layers
-from launcher.model.targets import ALL_LINEAR, adapted, is_linear, linear_in_out
+from launcher.model.targets import ALL_LINEAR, adapted, adapted_parameters, is_linear, linear_in_out, parameter_targets
 
 
 def with_depth(config, n: int):
@@ -29,6 +30,28 @@ def with_depth(config, n: int):
         if isinstance(val, (list, tuple)) and len(val) == full:
             setattr(cfg, key, type(val)(val[:n]))
     return cfg
+
+
+@contextlib.contextmanager
+def peft_on_meta():
+    """peft's LoRA on a parameter (an expert stack) folds ``W + scaling * lhs @ rhs`` with autocast switched off
+    for ``W``'s device, which torch cannot do for the meta device: on meta the same fold runs without that switch
+    (there is no autocast on meta to switch off). Around building a meta model with expert LoRA and tracing it."""
+    try:
+        from peft.tuners.lora.layer import _LoraFactorsProxy as proxy
+    except ImportError:  # a peft without LoRA on parameters: nothing on meta to help
+        yield
+        return
+    original = proxy.forward
+
+    def forward(self, W):
+        return torch.baddbmm(W, self.lhs, self.rhs, alpha=self.scaling) if W.is_meta else original(self, W)
+
+    proxy.forward = forward
+    try:
+        yield
+    finally:
+        proxy.forward = original
 
 
 def build_meta_model(config, *, attn_implementation: str = "eager", dtype: torch.dtype = torch.float32,
@@ -57,9 +80,12 @@ def build_meta_model(config, *, attn_implementation: str = "eager", dtype: torch
         if not names:
             raise ValueError(f"lora.target_modules={list(lora_targets)} matches no linear module of "
                              f"{type(model).__name__}")
+        params = parameter_targets(adapted_parameters(model, lora_targets))
         # low_cpu_mem_usage: adapters are made on meta without an init pass (10x faster, same shapes)
-        model = get_peft_model(model, LoraConfig(r=lora_r, lora_alpha=lora_r, lora_dropout=lora_dropout,
-                                                 target_modules=names), low_cpu_mem_usage=True)
+        with peft_on_meta():
+            model = get_peft_model(model, LoraConfig(r=lora_r, lora_alpha=lora_r, lora_dropout=lora_dropout,
+                                                     target_modules=names, target_parameters=params or None),
+                                   low_cpu_mem_usage=True)
         for name, p in model.named_parameters():
             if "lora_" in name:
                 p.data = p.data.to(adapter_dtype or torch.float32)
@@ -128,6 +154,11 @@ def _count_one(model: nn.Module, lora_r: int, lora_targets) -> dict:
             adapters += lora_r * (i + o)
             adapter_tensors += 2  # lora_A and lora_B
             largest_adapter = max(largest_adapter, lora_r * max(i, o))
+        for name in adapted_parameters(model, lora_targets):  # experts x (out, in): lora_A r*E x in, lora_B out x r*E
+            e, a, b = model.get_parameter(name).shape
+            adapters += lora_r * e * (a + b)
+            adapter_tensors += 2
+            largest_adapter = max(largest_adapter, lora_r * e * max(a, b))
     largest_module = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
     threshold = 10 * int(getattr(model.config, "hidden_size", 0) or 0)
     return dict(total=total, embeddings=n(emb_ids), layers=n(layer_ids), head=n(head_ids),

@@ -61,7 +61,7 @@ from launcher.model.actoffload import stays
 from launcher.model.loss import causal_lm_loss
 from launcher.model.structure import base_model, decoder_layers
 from launcher.model.targets import ALL_LINEAR
-from launcher.plan.memory.shape import build_meta_model, config_key, with_depth
+from launcher.plan.memory.shape import build_meta_model, config_key, peft_on_meta, with_depth
 
 # ------------------------------------------------------------------------------------------------
 # Autocast policy (names of torch functions), after torch's autocast_mode.cpp op lists.
@@ -567,6 +567,51 @@ def _no_packed_sequence_probe():
         mu.find_packed_sequence_indices = original
 
 
+@contextlib.contextmanager
+def _no_padding_probe():
+    """transformers warns when a batch holds the pad token and no attention mask, asking ``pad_token_id in
+    input_ids`` (an ``.item()``), which meta tensors cannot answer; the trace's batch has no mask by design."""
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.warn_if_padding_and_no_attention_mask
+
+    def warn(self, input_ids, attention_mask):
+        if input_ids is not None and input_ids.is_meta:
+            return None
+        return original(self, input_ids, attention_mask)
+
+    PreTrainedModel.warn_if_padding_and_no_attention_mask = warn
+    try:
+        yield
+    finally:
+        PreTrainedModel.warn_if_padding_and_no_attention_mask = original
+
+
+@contextlib.contextmanager
+def _grouped_experts_on_meta():
+    """transformers' grouped experts (``experts_implementation="grouped_mm"``, its default for mixture-of-experts
+    models) call torch's ``grouped_mm`` wherever it exists, and on meta tensors its meta kernel takes bf16 only (the
+    CUDA kernel's rule), where the CPU kernel a CPU run calls takes fp32 and fp16 too. On meta, any other dtype goes
+    through transformers' own fallback op instead, which keeps for backward what ``grouped_mm`` keeps (the routed
+    tokens' input, the weight, the offsets): the trace counts the bytes the real run saves (tests/test_zoo.py)."""
+    try:
+        import transformers.integrations.moe as moe
+    except ImportError:  # a transformers without grouped experts: nothing to follow
+        yield
+        return
+    original = getattr(moe, "_can_use_grouped_mm", None)
+    if original is None:
+        yield
+        return
+    moe._can_use_grouped_mm = lambda input, weight, offs: (
+        weight.dtype == torch.bfloat16 and original(input, weight, offs) if weight.is_meta else
+        original(input, weight, offs))
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original
+
+
 def _first_tensor(out):
     for t in tree_leaves(out):
         if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -766,7 +811,8 @@ def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: t
     try:
         whole = offload_activations and not checkpointed  # save_on_cpu around the forward (engines.base)
         hooks_ctx = offload_hooks() if whole else torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        with _no_packed_sequence_probe(), tracker, hooks_ctx:
+        with _no_packed_sequence_probe(), _no_padding_probe(), _grouped_experts_on_meta(), peft_on_meta(), tracker, \
+                hooks_ctx:
             autocast = (torch.autocast(autocast_policy, dtype=autocast_dtype) if real_autocast and autocast_dtype
                         else contextlib.nullcontext())
             extra = {}
