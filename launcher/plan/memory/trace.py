@@ -717,11 +717,15 @@ def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: t
         return t
 
     copied = [0]
+    copies: dict[int, tuple] = {}  # a tensor saved by several ops is copied once (launcher.model.actoffload)
 
     def pack_offload(t):
         pack(t)
-        if stays(t):  # parameters and autocast's weight copies stay (launcher.model.actoffload)
+        if stays(t):  # parameters, autocast's weight copies and views of either stay (launcher.model.actoffload)
             return t
+        known = copies.get(id(t))
+        if known is not None and known[0]() is t:
+            return known[1]
         cat, tracker.category = tracker.category, OFFLOADED
         try:
             cpu = torch.empty_like(t)
@@ -730,6 +734,7 @@ def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: t
         finally:
             tracker.category = cat
         copied[0] += t.numel() * t.element_size()
+        copies[id(t)] = (weakref.ref(t), cpu)
         return cpu
 
     def unpack_offload(cpu):
