@@ -297,3 +297,84 @@ def test_deepspeed_engine_and_optimizers(tmp_path):
         assert "deepspeed_cpu_adam@cpu" in m.optimizers, skipped.get("deepspeed_cpu_adam@cpu")
     assert "zero2_offload" in m.engines, skipped.get("engine zero2_offload")  # DeepSpeed imports here
     assert all(v >= 0 for v in m.engines["zero2_offload"].values())
+
+
+# ------------------------------------------------------------------------------------------------
+# A calibration that knows when the machine was busy
+
+
+def test_the_doubt_rule():
+    assert speeds.doubt(0.2, 0.01, 2) is None
+    assert "other processes kept 1.8 of 2 cores busy" in speeds.doubt(1.8, 0.0, 2)
+    assert "(steal)" in speeds.doubt(0.0, 0.25, 2)
+    assert "contended" in speeds.doubt(0.0, 0.0, 2, contended=True)
+
+
+def _busy(n: int) -> list:
+    import subprocess
+    import sys
+
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+@pytest.mark.slow
+def test_a_calibration_made_beside_busy_processes_is_flagged_and_plans_from_it_say_so(tmp_path, monkeypatch):
+    """A process burns a core while a quick calibration runs: it is cached flagged, doctor's report and the
+    plan's table say so, and an explicit calibration (force) measured once more before keeping it."""
+    from launcher.config.schema import load_config
+    from launcher.machine.hardware import probe
+    from launcher.plan import planner, report
+
+    busy = _busy(1)
+    calls = []
+    real = calibrate.calibrate
+
+    def counted(sizes=None, output_dir=None):
+        calls.append(1)
+        return real(timing.Sizes.quick(), output_dir=str(tmp_path))
+
+    monkeypatch.setattr(calibrate, "calibrate", counted)
+    try:
+        machine = calibrate.calibration(force=True, directory=str(tmp_path))
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert len(calls) == 2, "a busy first attempt is measured once more"
+    assert machine.doubtful and "cores busy while it was measured" in machine.doubtful, machine.measured.get("cpu_use")
+    assert machine.measured["cpu_use"]["others_busy_cores"] > 0.5
+    found = speeds.read(directory=str(tmp_path))
+    assert found.machine.doubtful == machine.doubtful
+    assert "DOUBTFUL: other processes kept" in speeds.format_report(found)
+    plan = planner.plan(load_config(None, ["device=cpu"]), probe(), machine=found.machine)
+    assert "-- DOUBTFUL calibration: other processes kept" in report.format_table(plan).splitlines()[2]
+
+
+def test_an_idle_calibration_is_not_flagged(monkeypatch, tmp_path):
+    from launcher.machine import threads
+
+    monkeypatch.setattr(threads.Watch, "stop", lambda self: threads.CpuUse(1.0, 0.1, 0.0))
+    m = calibrate.calibrate(timing.Sizes.quick(), output_dir=str(tmp_path))
+    contended = m.measured["samples"].get("contention")
+    if contended and contended["matmul_256_s"].get("2", 0) > contended["matmul_256_s"]["1"]:
+        pytest.skip("this machine's small matmul ran slower on all threads than on one: a contended CPU now")
+    assert m.doubtful is None and m.measured["cpu_use"]["others_busy_cores"] == 0.1
+
+
+def test_a_calibration_at_another_thread_count_is_used_scaled(tmp_path, monkeypatch):
+    """train.threads=auto took one thread of two (a busy neighbour): the 2-thread calibration still prices the run,
+    its CPU work rates halved and its optimizer's per-parameter cost doubled, fixed costs kept."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    speeds.write(fake_machine(), str(tmp_path))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    found = speeds.read(directory=str(tmp_path))
+    m, base = found.machine, fake_machine()
+    assert found.problem is None and m.threads == 1 and m.name.endswith("scaled to 1 thread(s)")
+    assert m.compute.memory_bytes_per_s == base.compute.memory_bytes_per_s / 2
+    assert m.compute.matmul["float32"][-1][1] == base.compute.matmul["float32"][-1][1] / 2
+    assert m.compute.op_s == base.compute.op_s and m.engines == base.engines
+    assert m.optimizers["torch_fused_adamw@cpu"] == [4e-9, 3e-6]
+    assert m.measured["threads_scaled"] == {"measured": 2, "used": 1}
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)  # more threads than measured: no gain assumed
+    more = speeds.read(directory=str(tmp_path)).machine
+    assert more.compute == base.compute and more.threads == 2

@@ -83,6 +83,11 @@ class Machine:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def doubtful(self) -> str | None:
+        """Why these speeds are not this machine's when idle (measured while it was busy), None when they are."""
+        return self.measured.get("doubtful")
+
     @classmethod
     def from_dict(cls, d: dict) -> Machine:
         d = dict(d)
@@ -154,9 +159,48 @@ def date_text(t: float) -> str:
 
 
 def read(stale_days: float = 30, directory: str | None = None) -> Cached:
-    """The cached calibration of this machine, or why there is none to use (nothing is logged here)."""
+    """The cached calibration of this machine, or why there is none to use (nothing is logged here). Made at
+    another thread count (``train.threads=auto`` took fewer because a neighbour was busy), the nearest one is
+    used with its CPU rates scaled (:func:`at_threads`)."""
     key = machine_key()
     path = cache_path(key, directory)
+    if not os.path.exists(path):
+        for n in sorted(range(1, 4 * (os.cpu_count() or 1) + 1), key=lambda n: (abs(n - key["threads"]), -n)):
+            other = cache_path({**key, "threads": n}, directory)
+            if n != key["threads"] and os.path.exists(other):
+                found = _read_file(other, {**key, "threads": n}, stale_days)
+                if found.machine is not None:
+                    found.machine = at_threads(found.machine, key["threads"])
+                found.key = key
+                return found
+    return _read_file(path, key, stale_days)
+
+
+def at_threads(m: Machine, threads: int) -> Machine:
+    """``m``, measured at ``m.threads`` threads, for a run at ``threads``. Fewer: the CPU's work rates (matmul,
+    attention, elementwise, in-step elementwise) and its optimizers' per-parameter speed scaled by threads / measured
+    threads, a bound (a parallel kernel speeds up at most in proportion, so one thread of two runs at least half as
+    fast); per-op and engine fixed costs, which one thread of control pays, kept. More: kept as measured (no gain is
+    assumed). A GPU's own rates are never scaled."""
+    if threads >= m.threads:
+        return dataclasses.replace(m, measured={**m.measured, "threads_scaled": None})
+    f = threads / m.threads
+
+    def cpu(r: Rates) -> Rates:
+        if r.device != "cpu":
+            return r
+        return dataclasses.replace(
+            r, matmul={k: [[x, y * f] for x, y in c] for k, c in r.matmul.items()},
+            attention={k: v * f for k, v in r.attention.items()}, memory_bytes_per_s=r.memory_bytes_per_s * f,
+            step_costs={k: {**v, "bytes_per_s": v["bytes_per_s"] * f} for k, v in r.step_costs.items()})
+
+    optimizers = {k: ([v[0] / f, v[1]] if k.endswith("@cpu") else v) for k, v in m.optimizers.items()}
+    return dataclasses.replace(m, compute=cpu(m.compute), host=cpu(m.host), optimizers=optimizers, threads=threads,
+                               name=f"{m.name}, scaled to {threads} thread(s)",
+                               measured={**m.measured, "threads_scaled": {"measured": m.threads, "used": threads}})
+
+
+def _read_file(path: str, key: dict, stale_days: float) -> Cached:
     out = Cached(path=path, key=key)
     if not os.path.exists(path):
         out.problem = f"no calibration of this machine in {os.path.dirname(path)}"
@@ -191,6 +235,25 @@ def write(machine: Machine, directory: str | None = None, created: float | None 
     doc = {"format": FORMAT, "key": key, "created": created or time.time(), "machine": machine.to_dict()}
     write_atomic(path, json.dumps(doc, indent=1))
     return path
+
+
+# Other processes' CPU use during a calibration above which its speeds are a busy machine's, not this one's: half a
+# core (a 2-core box at load average 2.3-2.7 gave rates 5-20x off and step times +409% to +1306%); and the share of
+# CPU time a hypervisor may give to other guests (steal) before the same holds.
+BUSY_CORES = 0.5
+STEAL_SHARE = 0.10
+
+
+def doubt(others_busy_cores: float, steal_share: float, cores: int, contended: bool = False) -> str | None:
+    """Why a calibration measured under these conditions does not describe this machine, None when it does."""
+    why = []
+    if others_busy_cores > BUSY_CORES:
+        why.append(f"other processes kept {others_busy_cores:.1f} of {cores} cores busy while it was measured")
+    if steal_share > STEAL_SHARE:
+        why.append(f"the hypervisor gave {steal_share:.0%} of the CPU time to other guests (steal)")
+    if contended:
+        why.append("a small matmul ran slower on all threads than on one (a contended CPU)")
+    return "; ".join(why) or None
 
 
 def cached(stale_days: float = 30, directory: str | None = None) -> tuple[Machine | None, str | None]:
@@ -255,7 +318,9 @@ def format_report(found: Cached) -> str:
         return f"calibration: none to use ({found.problem}); `vramfit doctor --calibrate` measures it, about a minute"
     m, sm = found.machine, summary(found.machine)
     head = f"calibration: {m.name}, {date_text(found.created)} ({found.age_days:.1f} days old), {found.path}"
-    lines = [head + (f"\n  NOT USED: {found.problem}" if found.problem else "")]
+    lines = [head + (f"\n  NOT USED: {found.problem}" if found.problem else "")
+             + (f"\n  DOUBTFUL: {m.doubtful}; its speeds are a busy machine's, and plans priced with them say so; fix: "
+                "`vramfit doctor --calibrate` when the machine is idle" if m.doubtful else "")]
     for dev in ("cuda", "cpu"):
         r = sm.get(dev)
         if not r:

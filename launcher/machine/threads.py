@@ -53,21 +53,49 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
+@dataclass(frozen=True)
+class CpuUse:
+    """What the machine's CPUs did while watched, besides this process (and its children)."""
+
+    seconds: float
+    others_busy_cores: float  # other processes' CPU time over the wall time
+    steal_share: float  # CPU time the hypervisor gave to other guests, of all CPU time (a VPS's noisy neighbours)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Watch:
+    """The CPU time of the whole machine and of this process, from now until :meth:`stop` (psutil's counters,
+    /proc/stat and /proc/self/stat on Linux)."""
+
+    def __init__(self):
+        import psutil
+
+        self._me = psutil.Process()
+        self._start = self._sample()
+
+    def _sample(self):
+        import psutil
+
+        t, own = psutil.cpu_times(), self._me.cpu_times()
+        steal = getattr(t, "steal", 0.0)
+        busy = t.user + t.nice + t.system + t.irq + t.softirq + steal
+        mine = own.user + own.system + own.children_user + own.children_system
+        return time.monotonic(), busy, mine, steal, busy + t.idle + getattr(t, "iowait", 0.0)
+
+    def stop(self) -> CpuUse:
+        (w0, b0, m0, s0, a0), (w1, b1, m1, s1, a1) = self._start, self._sample()
+        wall = max(w1 - w0, 1e-6)
+        return CpuUse(seconds=wall, others_busy_cores=max(0.0, ((b1 - b0) - (m1 - m0)) / wall),
+                      steal_share=max(0.0, (s1 - s0) / max(a1 - a0, 1e-6)))
+
+
 def others_busy(sample_s: float = SAMPLE_S) -> float:
     """Cores kept busy by other processes over ``sample_s`` seconds (system CPU time less this process's)."""
-    import psutil
-
-    me = psutil.Process()
-
-    def busy():
-        t = psutil.cpu_times()
-        own = me.cpu_times()
-        return t.user + t.nice + t.system + t.irq + t.softirq + getattr(t, "steal", 0.0), own.user + own.system
-
-    (b0, o0), w0 = busy(), time.monotonic()
+    watch = Watch()
     time.sleep(sample_s)
-    (b1, o1), w1 = busy(), time.monotonic()
-    return max(0.0, ((b1 - b0) - (o1 - o0)) / max(w1 - w0, 1e-6))
+    return watch.stop().others_busy_cores
 
 
 def decide(asked, n_cores: int | None = None, busy: float | None = None) -> Threads:

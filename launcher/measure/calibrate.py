@@ -75,7 +75,7 @@ import torch
 
 from launcher.config.schema import load_config
 from launcher.log import logger
-from launcher.machine import speeds
+from launcher.machine import speeds, threads
 from launcher.machine.hardware import deepspeed_status, pin_memory_ok, probe, remember_cpu_info
 from launcher.machine.speeds import Machine, Rates
 from launcher.measure import engine_costs, stepcal, timing
@@ -88,7 +88,9 @@ from launcher.precision import supports_bf16, supports_fp16
 def calibration(measure: bool = True, *, stale_days: float = 30, force: bool = False, directory: str | None = None,
                 sizes: Sizes | None = None, output_dir: str | None = None) -> Machine | None:
     """This machine's :class:`Machine`: the cached one when it is usable, else measured now and cached
-    (``measure=True``) or None (``measure=False``: :func:`launcher.machine.speeds.cached`). ``force``: measure now."""
+    (``measure=True``) or None (``measure=False``: :func:`launcher.machine.speeds.cached`). ``force`` (``vramfit
+    doctor --calibrate``): measure now, and once more when other processes made the first doubtful; the less
+    doubtful of the two is kept, flagged if it still is (doctor, plans and summaries say so)."""
     if not measure:
         if force:
             return None
@@ -105,6 +107,11 @@ def calibration(measure: bool = True, *, stale_days: float = 30, force: bool = F
         else:
             logger.warning(f"calibration not used: {found.problem}; measuring this machine again")
     machine = calibrate(sizes, output_dir=output_dir)
+    if force and machine.doubtful:
+        logger.info("calibrating once more, the machine was busy")
+        again = calibrate(sizes, output_dir=output_dir)
+        busy = lambda m: m.measured["cpu_use"]["others_busy_cores"] + m.measured["cpu_use"]["steal_share"]  # noqa: E731
+        machine = min((machine, again), key=lambda m: (m.doubtful is not None, busy(m)))
     path = speeds.write(machine, directory)
     logger.info(f"calibration cached in {path}")
     return machine
@@ -258,17 +265,17 @@ def _contention(s: Sizes, raw: dict) -> None:
     """Warn when other processes keep the CPU busy: then every parallel op waits for a thread the scheduler has
     put aside, and a 256 x 256 matmul that takes 0.3 ms on one thread took 20 ms on two (2-core EPYC, load
     average 9). Training at those threads would be slowed as much, so the numbers are not this machine's."""
-    threads = torch.get_num_threads()
-    if threads == 1:
+    n_threads = torch.get_num_threads()
+    if n_threads == 1:
         return
     a = torch.randn(256, 256)
     many, _ = timing.best_of(lambda: torch.mm(a, a), s.min_time_s)
     one, _ = timing.best_of(lambda: torch.mm(a, a), s.min_time_s, threads=1)
-    raw["contention"] = {"matmul_256_s": {str(threads): many, "1": one}}
+    raw["contention"] = {"matmul_256_s": {str(n_threads): many, "1": one}}
     if many > one:
-        logger.warning(f"the CPU is contended: a 256 x 256 matmul takes {many * 1e3:.3g} ms on {threads} threads and "
+        logger.warning(f"the CPU is contended: a 256 x 256 matmul takes {many * 1e3:.3g} ms on {n_threads} threads and "
                        f"{one * 1e3:.3g} ms on one; the speeds measured now are a busy machine's (training at "
-                       f"{threads} threads would be as slow); calibrate when it is idle, or train with fewer threads "
+                       f"{n_threads} threads would be as slow); calibrate when it is idle, or train with fewer threads "
                        "(OMP_NUM_THREADS)")
 
 
@@ -437,6 +444,7 @@ def calibrate(sizes: Sizes | None = None, output_dir: str | None = None) -> Mach
 
     s = sizes or (Sizes.quick() if os.environ.get("VRAMFIT_CALIBRATE_QUICK") else Sizes())
     start = time.perf_counter()
+    watch = threads.Watch()  # other processes' CPU use while measuring: a busy machine's speeds are not its own
     load_before = os.getloadavg()
     cores = os.cpu_count() or 1
     if load_before[0] > 0.5 * cores:
@@ -461,11 +469,11 @@ def calibrate(sizes: Sizes | None = None, output_dir: str | None = None) -> Mach
                                                    skipped)) if gpu else compute
     h2d, d2h = part("copies", lambda: _copies(gpu, s, raw, skipped))
     optimizers = part("optimizers", lambda: _optimizers(gpu, s, raw, skipped))
-    threads = torch.get_num_threads()
-    cpu = f"cpu: {speeds.cpu_model()} ({threads} threads)"
+    n_threads = torch.get_num_threads()
+    cpu = f"cpu: {speeds.cpu_model()} ({n_threads} threads)"
     name = f"{torch.cuda.get_device_name(0)}, host {cpu}" if gpu else cpu
     machine = Machine(name=name, source="", compute=compute, host=host, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
-                      optimizers=optimizers, threads=threads)
+                      optimizers=optimizers, threads=n_threads)
     fixed_costs = part("engines", lambda: engine_costs.measure(machine, device, s, raw, skipped))
     out_dir = output_dir or load_config(None, []).output_dir
     disk = part("disk", lambda: _disk(out_dir, s, raw, skipped))
@@ -478,7 +486,14 @@ def calibrate(sizes: Sizes | None = None, output_dir: str | None = None) -> Mach
         except Exception:  # noqa: BLE001 -- not installed
             versions[mod] = None
     now = time.time()
-    measured = {"date": speeds.date_text(now), "seconds": round(time.perf_counter() - start, 1), "parts_s": seconds,
+    use = watch.stop()
+    contended = any(v["matmul_256_s"][k] > v["matmul_256_s"]["1"] for v in [raw.get("contention")] if v
+                    for k in v["matmul_256_s"] if k != "1")
+    doubtful = speeds.doubt(use.others_busy_cores, use.steal_share, cores, contended)
+    if doubtful:
+        logger.warning(f"calibration doubtful: {doubtful}; its speeds are lower than this machine's when idle")
+    measured = {"date": speeds.date_text(now), "doubtful": doubtful, "cpu_use": use.to_dict(),
+                "seconds": round(time.perf_counter() - start, 1), "parts_s": seconds,
                 "load_average_before": [round(x, 2) for x in load_before],
                 "load_average_after": [round(x, 2) for x in os.getloadavg()], "cores": cores, "versions": versions,
                 "key": speeds.machine_key(), "sizes": dataclasses.asdict(s), "skipped": skipped, "samples": raw}

@@ -504,7 +504,9 @@ def plan(cfg: Config, hw: Hardware, profiles: list[str] | None = None, *, world:
                        "cpu_source": sources["cpu"]},
                model=_model_summary(cfg, run), settings=_settings(cfg, run, avail.precision_reason),
                assumptions=_assumptions(run, machine), activations=_activation_summary(run, rows, avail, exact_rows),
-               machine=machine.name if machine is not None else None,
+               machine=(machine.name + (f" -- DOUBTFUL calibration: {machine.doubtful}; step times are a busy machine's "
+                                       "(`vramfit doctor --calibrate` when idle)" if machine.doubtful else ""))
+               if machine is not None else None,
                candidates=[{"profile": c.profile, "setting": c.setting, "micro_batch": c.micro_batch,
                             "checkpointing": c.checkpointing, "checkpoint_every": c.checkpoint_every,
                             "step_s": c.step_s, "tokens_per_s": c.tokens_per_s} for c in every])

@@ -111,6 +111,9 @@ def resolve(cfg: Config, hw: Hardware, world: int = 1, local_rank: int = 0, mach
         why_engine = avail.engine_reason(chosen) if cfg.engine == AUTO else None
         if why_engine:
             reasons.append(why_engine)
+    if plan is not None and plan.machine is None and user is None:
+        reasons.append("step times not priced: this machine has no calibration, so the catalogue's speed ranks "
+                       "chose; `vramfit doctor --calibrate` measures it (about a minute, once)")
     if plan is not None and plan.activations_counted:
         reasons.append(f"warning: the plan is an estimate: {plan.activations_counted}; activations counted from the "
                        "config's sizes, weights and optimizer states exact (the OOM ladder steps in if it is short)")

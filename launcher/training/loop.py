@@ -102,6 +102,7 @@ class Run:
     last_scale: float | None = None  # fp16 loss scale after the last step
     peak_rss: int = 0
     elapsed: float = 0.0
+    calibration_doubtful: str | None = None  # the speeds that priced the plan were measured on a busy machine
 
     @property
     def device(self) -> torch.device:
@@ -134,7 +135,7 @@ def prepare(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.
     hw = with_nvme(hw or probe(), cfg.memory.nvme_path)  # its free space and speed, for the plan
     th = _threads(cfg, ranks)
     asked = cfg  # what a checkpoint compares on resume: the settings as the user gave them
-    hf_config, cfg, spec = _decide(cfg, hw, ranks)
+    hf_config, cfg, spec, machine = _decide(cfg, hw, ranks)
     tokenizer = load_tokenizer(cfg)
     train_data, eval_data = load_splits(cfg, hf_config.vocab_size, tokenizer, hf_config)
     if cfg.train.epochs:
@@ -143,7 +144,8 @@ def prepare(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.
                     f"of {cfg.train.global_batch_size}, warmup {cfg.train.warmup_steps}")
     run = Run(cfg=cfg, asked=asked, hooks=hooks, ranks=ranks, hw=hw, threads=th, hf_config=hf_config, spec=spec,
               tokenizer=tokenizer, train_data=train_data, eval_data=eval_data,
-              sample_prompt=generate.prompt_ids(cfg, tokenizer, eval_data if eval_data is not None else train_data))
+              sample_prompt=generate.prompt_ids(cfg, tokenizer, eval_data if eval_data is not None else train_data),
+              calibration_doubtful=machine.doubtful if machine is not None else None)
     _check_disk(run)
     run.rd, run.resume_from, run.run_name, run.damaged = prepare_run_dir(cfg, ranks, cleanup)
     if run.resume_from:
@@ -195,10 +197,10 @@ def _threads(cfg: Config, ranks: dist.Dist) -> threads.Threads:
     return th
 
 
-def _decide(cfg: Config, hw: Hardware, ranks: dist.Dist) -> tuple[object, Config, RunSpec]:
-    """(model config, settled config, RunSpec), before anything loads. The plan uses this machine's measured
-    speeds when `vramfit doctor --calibrate` has run, to pick the fastest predicted setting that fits (never
-    measured here: a training start stays fast)."""
+def _decide(cfg: Config, hw: Hardware, ranks: dist.Dist) -> tuple[object, Config, RunSpec, object]:
+    """(model config, settled config, RunSpec, this machine's cached speeds or None), before anything loads. The
+    plan uses the speeds when `vramfit doctor --calibrate` has run, to pick the fastest predicted setting that fits
+    (never measured here: a training start stays fast)."""
     hf_config = model_config(cfg)
     hfconfig.check_weights(cfg.model.name)
     lora.check(cfg, hf_config)  # bitsandbytes present when needed; LoRA target names exist (on a meta model)
@@ -206,12 +208,15 @@ def _decide(cfg: Config, hw: Hardware, ranks: dist.Dist) -> tuple[object, Config
     machine, why = speeds.cached()
     if why:
         logger.warning(why)
+    if machine is not None and machine.doubtful:
+        logger.warning(f"the calibration that prices this plan is doubtful: {machine.doubtful}; its step times are a "
+                       "busy machine's; fix: `vramfit doctor --calibrate` when the machine is idle")
     spec = resolve(cfg, hw, ranks.world, ranks.local_rank, machine=machine)
     for r in spec.reasons:
         logger.info(r)
     kernels.check(cfg, spec.device.type)  # model.liger where it cannot run
     hfconfig.check_seq_len(hf_config, cfg.data.seq_len)  # resolve's planner checked it too: one rule for both
-    return hf_config, cfg, spec
+    return hf_config, cfg, spec, machine
 
 
 def _check_disk(run: Run) -> None:
@@ -567,7 +572,8 @@ def summary_of(run: Run, eval_loss: float | None) -> dict:
         "resumed_from": st.resumed_from, "optimizer": run.engine.optimizer_name, "micro_batch": spec.micro_batch,
         "accumulation": spec.accumulation, "gradient_checkpointing": spec.checkpointing,
         "checkpoint_every": spec.checkpoint_every, "world_size": run.ranks.world,
-        "predicted_step_s": spec.predicted("step_s"), "global_batch_size": run.cfg.train.global_batch_size,
+        "predicted_step_s": spec.predicted("step_s"), "calibration_doubtful": run.calibration_doubtful,
+        "global_batch_size": run.cfg.train.global_batch_size,
         "seq_len": run.cfg.data.seq_len, "elapsed_s": run.elapsed, "checkpoint": run.last_ckpt,
         "reasons": list(spec.reasons), "diagnosis": run.diagnosis, "run_dir": run.rd.path, "sample": None,
         "sample_error": None, "tracker_errors": run.trackers.failures, "threads": run.threads.to_dict(),
