@@ -4,6 +4,7 @@ mapping to the step-time model's keys, and one quick real calibration through ``
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -378,3 +379,18 @@ def test_a_calibration_at_another_thread_count_is_used_scaled(tmp_path, monkeypa
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)  # more threads than measured: no gain assumed
     more = speeds.read(directory=str(tmp_path)).machine
     assert more.compute == base.compute and more.threads == 2
+
+
+def test_a_run_priced_by_a_doubtful_calibration_says_so_in_its_summary(tmp_path, monkeypatch, capfd):
+    from helpers import run_inprocess
+
+    monkeypatch.setenv("VRAMFIT_CACHE", str(tmp_path / "cache"))
+    busy = dataclasses.replace(fake_machine(), measured={"doubtful": "other processes kept 1.9 of 2 cores busy"})
+    for n in (1, 2, torch.get_num_threads()):
+        monkeypatch.setattr(torch, "get_num_threads", lambda n=n: n)
+        speeds.write(busy, str(tmp_path / "cache"))
+    monkeypatch.undo()
+    monkeypatch.setenv("VRAMFIT_CACHE", str(tmp_path / "cache"))
+    summary, _ = run_inprocess(tmp_path, "train.max_steps=2", "train.warmup_steps=1", "checkpoint.save=false")
+    assert summary["calibration_doubtful"] == "other processes kept 1.9 of 2 cores busy"
+    assert "the calibration that prices this plan is doubtful" in capfd.readouterr().err

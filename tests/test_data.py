@@ -183,8 +183,8 @@ def test_lora_targets_that_match_nothing_list_the_linear_layers(model_dir):
     assert "'qkv', 'attn' match no linear layer" in p
     assert "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head" in p
     cfg = load_config(None, [f"model.name={model_dir}", "lora.r=4"])
-    assert lora.check(cfg, model_config(cfg)) == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                  "down_proj"]  # all-linear: the head is left out
+    assert lora.check(cfg, model_config(cfg)) == (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                   "down_proj"], [])  # all-linear: the head is left out; no experts
 
 
 @pytest.mark.parametrize("bad", ["missing", "badline", "seq_len", "targets"])

@@ -104,3 +104,13 @@ def test_overrides_are_parsed_once_as_the_command_line_parses_them():
         with_overrides(base, ["lora.rr=16"])
     with pytest.raises(ConfigError, match="not a key=value override"):
         with_overrides(base, ["lora.r"])
+
+
+def test_without_step_times_a_cpu_ranks_amp_first_and_a_gpu_deepspeed():
+    """The speed ranks tie AMP and ZeRO-2; on a CPU DeepSpeed's engine only adds work to a step, so AMP goes first,
+    and the reasons say the choice was not priced."""
+    cpu = resolve_module.resolve(load_config(None, []), host())
+    assert cpu.profile.name == "amp-fp32", cpu.profile
+    assert any("step times not priced" in r and "torch's AMP first on a CPU" in r for r in cpu.reasons), cpu.reasons
+    gpu = availability.assess(load_config(None, []), host(gpu_gib=80.0)).usable()
+    assert gpu[0].engine == "deepspeed", [p.name for p in gpu]

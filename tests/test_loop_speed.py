@@ -287,10 +287,14 @@ def _compile_hw(deepspeed="0.19.8"):
 def test_compile_with_engine_auto_picks_a_path_that_compiles():
     """One home for "can this run": model.compile rules DeepSpeed out in availability, so engine=auto on a host
     with DeepSpeed picks AMP instead of choosing a ZeRO profile and refusing it later."""
+    from launcher.plan import availability
     from launcher.plan.resolve import resolve
 
-    plain = resolve(load_config(None, []), _compile_hw())
-    assert plain.engine == "deepspeed"  # the same host picks DeepSpeed when nothing rules it out
+    def engines(*overrides):
+        return {p.engine for p in availability.assess(load_config(None, list(overrides)), _compile_hw()).usable()}
+
+    assert "deepspeed" in engines()  # the same host can run DeepSpeed when nothing rules it out
+    assert "deepspeed" not in engines("model.compile=true")
     spec = resolve(load_config(None, ["model.compile=true"]), _compile_hw())
     assert spec.engine == "amp", spec
     assert any("model.compile=true" in r for r in spec.reasons), spec.reasons

@@ -187,3 +187,20 @@ def test_the_counted_estimate_is_a_bound_over_the_trace(family):
     counted = counted_activations(config, TraceSettings(batch_size=2, seq_len=64, target="cpu",
                                                         attn_implementation="eager"), 0, "test")
     assert traced.peak <= counted.peak <= 2.5 * traced.peak, (counted.peak, traced.peak)
+
+
+@pytest.mark.parametrize("device,capability,dtype,kernel", [
+    ("cuda", (8, 0), torch.float32, "eager"), ("cuda", (9, 0), torch.float16, "eager"),
+    ("cuda", (8, 6), torch.bfloat16, None), ("cuda", (7, 5), torch.float16, None), ("cpu", None, torch.float32, None)])
+def test_the_experts_run_a_kernel_that_takes_their_dtype(device, capability, dtype, kernel):
+    from launcher.model.build import experts_kernel
+
+    assert experts_kernel(device, capability, dtype) == kernel
+
+
+def test_qlora_of_a_moe_quantizes_the_linear_layers_and_says_the_experts_stay_16_bit(tmp_path, capfd):
+    pytest.importorskip("bitsandbytes")
+    s = train_family(tmp_path, "qwen3_moe", "model.quantize=4bit", "lora.r=4", "checkpoint.save=false")
+    assert s["status"] == "completed" and math.isfinite(s["final_loss"]), s
+    err = capfd.readouterr().err
+    assert "Linear4bit" in err and "the experts' 4 stacked weights" in err and "bitsandbytes quantizes linear layers only" in err

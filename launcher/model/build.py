@@ -69,6 +69,17 @@ def load_tokenizer(cfg: Config):
     return tok
 
 
+def experts_kernel(device_type: str, capability: tuple | None, dtype: torch.dtype) -> str | None:
+    """The experts implementation a mixture-of-experts model needs on this device, None for transformers' default
+    (``grouped_mm``). Its CUDA kernel takes bf16 only, and transformers calls it on any GPU of compute capability
+    8.0 or newer whatever the dtype (an fp32 master on the AMP path, fp16): there the experts run ``eager`` (a loop
+    over the experts that tokens were routed to). Older GPUs and CPUs are served by the default: transformers
+    itself takes its fallback kernel below 8.0, and the CPU kernel takes every float dtype."""
+    if device_type == "cuda" and capability is not None and tuple(capability) >= (8, 0) and dtype != torch.bfloat16:
+        return "eager"
+    return None
+
+
 def build_model(cfg: Config, dtype: torch.dtype = torch.float32, hf_config=None, *,
                 device: torch.device | None = None, precision: str = "fp32", checkpointing: bool = False,
                 checkpoint_every: int = 1, offload_activations: bool = False, pin_memory: bool = False):
@@ -93,6 +104,12 @@ def build_model(cfg: Config, dtype: torch.dtype = torch.float32, hf_config=None,
             os.path.expanduser(cfg.model.name), config=hf_config, dtype=dtype, attn_implementation=attn_impl(cfg, hf_config),
             trust_remote_code=cfg.model.trust_remote_code, **kw)
     model.config.use_cache = False
+    kernel = experts_kernel(device.type, torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
+                            dtype) if hfconfig.has_experts(hf_config) else None
+    if kernel and hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation(kernel)
+        logger.info(f"experts: transformers' {kernel} implementation (torch's grouped_mm on this GPU takes bf16 only; "
+                    f"the weights are {str(dtype).replace('torch.', '')})")
     if quant != "none":
         quantize.keep_4bit_weights_trainable(model)
         logger.info(f"model.quantize={quant}: {quantize.describe(model)}")

@@ -42,9 +42,9 @@ def resolve_targets(cfg: Config, model: torch.nn.Module) -> tuple[list[str], lis
     return targets.for_peft(model, wanted), targets.parameter_targets(targets.adapted_parameters(model, chosen))
 
 
-def check(cfg: Config, hf_config) -> list[str] | None:
+def check(cfg: Config, hf_config) -> tuple[list[str], list[str]] | None:
     """Before the run directory is made: bitsandbytes present when needed; LoRA targets exist (on a meta
-    model: no memory, no weights). Returns the resolved target names (None without LoRA)."""
+    model: no memory, no weights). Returns the resolved (module, parameter) targets (None without LoRA)."""
     if cfg.model.quantize != "none" or cfg.train.optimizer in ("adamw8bit", "paged_adamw8bit"):
         quantize.require_bitsandbytes(cfg)
     if not cfg.lora.r:

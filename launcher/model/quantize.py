@@ -89,4 +89,8 @@ def describe(model: torch.nn.Module) -> str:
             w = m.weight
             key = f"{t} ({type(w).__name__}, {str(w.dtype).replace('torch.', '')} storage)"
             kinds[key] = kinds.get(key, 0) + 1
-    return ", ".join(f"{n} {k}" for k, n in kinds.items()) or "no quantized layers"
+    experts = [p for p in model.parameters() if p.dim() == 3]  # a mixture-of-experts layer's stacked weights
+    stays = (f"; the experts' {len(experts)} stacked weights ({sum(p.numel() for p in experts) / 1e6:.1f}M parameters) "
+             f"stay {str(experts[0].dtype).replace('torch.', '')}: bitsandbytes quantizes linear layers only"
+             if experts else "")
+    return (", ".join(f"{n} {k}" for k, n in kinds.items()) or "no quantized layers") + stays

@@ -29,6 +29,9 @@ from launcher.machine.hardware import Hardware
 from launcher.precision import PRECISIONS, deepspeed_runs_fp16
 
 ENGINE_PREFERENCE = ("deepspeed", "amp", "fsdp")  # equal speed rank: DeepSpeed first (fused ops, tested most)
+# On a CPU DeepSpeed has no fused ops to offer and adds its engine's work to every step (docs/calibration.md: its
+# per-step and per-parameter terms), so without step times torch's AMP path goes first there.
+ENGINE_PREFERENCE_CPU = ("amp", "deepspeed", "fsdp")
 
 
 def device_for(cfg: Config, hw: Hardware, local_rank: int = 0) -> torch.device:
@@ -158,7 +161,7 @@ class Availability:
             if why and not (allow_offload and why == NO_GPU_TO_OFFLOAD):
                 continue
             out.append(p)
-        return sorted(out, key=rank_key)
+        return sorted(out, key=lambda p: rank_key(p, self.device.type))
 
     def widened(self, cfg: Config, precision: str) -> Availability:
         """This answer for ``cfg`` at ``precision`` (a profile and engine left to choose): what cannot run here
@@ -179,8 +182,9 @@ NO_GPU_TO_OFFLOAD = "offloads from a GPU to the CPU; there is no GPU"
 NO_NVME_PATH = "offloads to NVMe; memory.nvme_path is not set"
 
 
-def rank_key(p: Profile) -> tuple:
-    return (p.speed_rank, ENGINE_PREFERENCE.index(p.engine))
+def rank_key(p: Profile, device: str = "cuda") -> tuple:
+    """The order without step times: the speed rank, then the engine (DeepSpeed first on a GPU, AMP on a CPU)."""
+    return (p.speed_rank, (ENGINE_PREFERENCE_CPU if device == "cpu" else ENGINE_PREFERENCE).index(p.engine))
 
 
 def assess(cfg: Config, hw: Hardware, local_rank: int = 0) -> Availability:

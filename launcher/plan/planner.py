@@ -492,7 +492,7 @@ def plan(cfg: Config, hw: Hardware, profiles: list[str] | None = None, *, world:
     pool = [r for r in rows if r.available]
 
     def order(r: ProfilePlan):
-        tie = availability.rank_key(avail.profile(r.profile))
+        tie = availability.rank_key(avail.profile(r.profile), avail.device.type)
         return (r.step_s, tie) if machine is not None and r.step_s is not None else (tie, not r.checkpointing)
 
     fitting = sorted((r for r in pool if r.fits), key=order)
@@ -682,7 +682,7 @@ def _settle_chosen(searched: list, avail: Availability, run: RunShape, gpu_budge
 
     def order(i: int) -> tuple:
         r = searched[i][0]
-        tie = availability.rank_key(avail.profile(r.profile))
+        tie = availability.rank_key(avail.profile(r.profile), avail.device.type)
         return (r.step_s, tie) if machine is not None and r.step_s is not None else (tie, not r.checkpointing)
 
     out = list(searched)
