@@ -351,6 +351,7 @@ def test_a_calibration_made_beside_busy_processes_is_flagged_and_plans_from_it_s
     assert "-- DOUBTFUL calibration: other processes kept" in report.format_table(plan).splitlines()[2]
 
 
+@pytest.mark.slow
 def test_an_idle_calibration_is_not_flagged(monkeypatch, tmp_path):
     from launcher.machine import threads
 

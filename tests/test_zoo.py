@@ -77,7 +77,11 @@ def train_family(tmp_path, family, *overrides):
     return train(cfg)
 
 
-@pytest.mark.parametrize("family", list(ZOO))
+# the default run trains one family of each kind (Llama-like, Gemma-like, GPT-2-like, every MoE); the slow run all
+EVERY_RUN = ("llama3", "gemma3", "gpt2", *MOE)
+
+
+@pytest.mark.parametrize("family", [f if f in EVERY_RUN else pytest.param(f, marks=pytest.mark.slow) for f in ZOO])
 def test_every_family_trains_on_amp(tmp_path, family):
     s = train_family(tmp_path, family, "profile=amp-fp32", "checkpoint.save=false")
     assert s["status"] == "completed" and s["steps"] == 3 and math.isfinite(s["final_loss"]), s

@@ -61,8 +61,8 @@ def _predicted(p, machine: Machine, depth: int, device: torch.device, pinned: bo
     cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
     run = stepcal.run_shape(tiny_config(depth, hidden), p.precision, 2, TINY_SEQ, device.type, cap)
     counts = run.counts
-    est = planner._activations(run, planner._family(p), 1)
-    t = predict(p, machine, ops=planner._ops(est, run), counts=counts, micro_batch=1, accumulation=2,
+    est = planner.activations(run, planner.trace_family(p), 1)
+    t = predict(p, machine, ops=planner.ops_of(est, run), counts=counts, micro_batch=1, accumulation=2,
                 seq_len=TINY_SEQ, pinned=pinned)
     return t.micro_batch_s, t.step_s - 2 * t.micro_batch_s, counts.trainable_tensors, counts.total
 

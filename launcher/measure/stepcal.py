@@ -91,7 +91,7 @@ def _traced_ops(config, precision: str, batch: int, seq: int) -> dict:
     from launcher.plan import planner
 
     run = run_shape(config, precision, batch, seq)
-    return planner._ops(planner._activations(run, "amp", batch), run)
+    return planner.ops_of(planner.activations(run, "amp", batch), run)
 
 
 @contextlib.contextmanager

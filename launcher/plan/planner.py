@@ -201,7 +201,7 @@ def _attention_kernel(run: RunShape, dtype: torch.dtype) -> str:
     return "efficient"
 
 
-def _family(p: Profile) -> str:
+def trace_family(p: Profile) -> str:
     """Which trace a profile's activations come from: 'amp' (fp32 weights under autocast), '16bit' (the
     whole model in fp16/bf16: DeepSpeed, FSDP's param dtype) or 'fp32'."""
     if p.precision == "fp32":
@@ -211,7 +211,7 @@ def _family(p: Profile) -> str:
 
 def _trace_settings(run: RunShape, family: str, micro_batch: int) -> TraceSettings:
     # fp16 is traced as bf16: the same sizes, the same autocast lists, one trace for both (the op record is
-    # relabelled in _activations), which halves the traces of a plan across GPUs (vramfit plan --compare-gpus)
+    # relabelled in activations()), which halves the traces of a plan across GPUs (vramfit plan --compare-gpus)
     cd = DTYPES["bf16" if run.precision == "fp16" else run.precision]
     if family == "fp32":
         pdt, adt, ac = torch.float32, torch.float32, None
@@ -229,7 +229,7 @@ def _trace_settings(run: RunShape, family: str, micro_batch: int) -> TraceSettin
                          offload_activations=run.offload_activations, packed=run.packed)
 
 
-def _activations(run: RunShape, family: str, micro_batch: int, exact: bool = True,
+def activations(run: RunShape, family: str, micro_batch: int, exact: bool = True,
                  compose: bool = False) -> ActivationEstimate:
     """The activation estimate of ``run`` at ``micro_batch``; ``compose``: every k-th layer checkpointed composed
     from the traces with none and with all (:func:`launcher.plan.memory.estimate.compose_every`) where it applies."""
@@ -247,7 +247,7 @@ def _activations(run: RunShape, family: str, micro_batch: int, exact: bool = Tru
         return counted_activations(run.config, s, run.counts.trainable, why)
 
 
-def _ops(est: ActivationEstimate, run: RunShape) -> dict:
+def ops_of(est: ActivationEstimate, run: RunShape) -> dict:
     """The op record of a trace, in the run's dtype names (fp16 runs are traced as bf16)."""
     if run.precision != "fp16":
         return est.ops
@@ -311,11 +311,11 @@ def _plan_profile(p: Profile, run: RunShape, micro_batch: int, gpu_budget: int, 
             # The plain loss's logits are sized from micro-batch 2 (each row's logits are its own, so they grow
             # in proportion): where the run then chunks, the plain loss costs no traces at its own micro-batch.
             small = 2 if micro_batch > 3 else micro_batch
-            plain = _activations(run, _family(p), small, exact, compose)
+            plain = activations(run, trace_family(p), small, exact, compose)
             logits = _activation_parts(plain, with_grads=False).get("logits", 0) * micro_batch // small
             if logits > CHUNK_SHARE * (gpu_budget if on_gpu else cpu_budget):
                 run = dataclasses.replace(run, chunked_loss=True)
-        est = _activations(run, _family(p), micro_batch, exact, compose)
+        est = activations(run, trace_family(p), micro_batch, exact, compose)
         grads_from_trace = p.engine == "amp" and accumulation == 1
         for part, n in _activation_parts(est, with_grads=grads_from_trace).items():
             add_part(fb, part, n)
@@ -375,7 +375,7 @@ def _plan_profile(p: Profile, run: RunShape, micro_batch: int, gpu_budget: int, 
     row.checkpoint_bytes, row.final_bytes = on_disk["checkpoint"], on_disk["final"]
     row.activations_counted = est.counted if est is not None else None
     if machine is not None and est is not None and not est.counted:  # no trace, no ops to price
-        t = steptime.predict(p, machine, ops=_ops(est, run), counts=run.counts, micro_batch=micro_batch,
+        t = steptime.predict(p, machine, ops=ops_of(est, run), counts=run.counts, micro_batch=micro_batch,
                              accumulation=accumulation, seq_len=run.seq_len, world=run.world, pinned=pinned,
                              optimizer=run.optimizer, lora=run.lora_r > 0,
                              activation_copy_bytes=est.offload_copied if est.offloaded else 0,
@@ -771,11 +771,11 @@ def _activation_summary(run: RunShape, rows: list[ProfilePlan], avail: Availabil
     for r in rows:
         if r.lower_bound:
             continue
-        fam = _family(avail.profile(r.profile))
+        fam = trace_family(avail.profile(r.profile))
         key = f"{fam}@{r.micro_batch}"
         if key in out:
             continue
-        est = _activations(run, fam, r.micro_batch, exact)
+        est = activations(run, fam, r.micro_batch, exact)
         s = est.settings
         out[key] = {"micro_batch": r.micro_batch, "seq_len": run.seq_len, "attention_kernel": s.attention_kernel,
                     "autocast": None if s.autocast_dtype is None else str(s.autocast_dtype).replace("torch.", ""),
