@@ -39,6 +39,9 @@ def resolve_targets(cfg: Config, model: torch.nn.Module) -> tuple[list[str], lis
                            f"model's linear layers are: {', '.join(targets.leaf_names(every))}; fix: "
                            f"lora.target_modules=all-linear, or a subset of those names"])
     chosen = targets.with_experts(wanted, cfg.lora.experts, bool(experts))
+    problem = targets.experts_problem(chosen, cfg.lora.dropout)
+    if problem:
+        raise ConfigError([problem])
     return targets.for_peft(model, wanted), targets.parameter_targets(targets.adapted_parameters(model, chosen))
 
 

@@ -67,6 +67,16 @@ def parameter_targets(names: list[str]) -> list[str]:
     return list(dict.fromkeys(".".join(n.split(".")[-2:]) for n in names))
 
 
+def experts_problem(targets, dropout: float) -> str | None:
+    """Why LoRA cannot run with ``targets`` (with :data:`EXPERTS`) at this dropout, None when it can: peft's LoRA on
+    a parameter has no dropout (it refuses to build)."""
+    if EXPERTS in targets and dropout > 0:
+        return (f"lora.dropout: got {dropout:g} with the experts' weights adapted (lora.experts); rule: peft's LoRA on "
+                "a parameter (the experts' stacked weights) has no dropout; fix: lora.dropout=0, or lora.experts=false "
+                "to adapt the attention alone")
+    return None
+
+
 def with_experts(targets, experts: str, has_experts: bool) -> tuple:
     """``targets`` plus :data:`EXPERTS` where ``lora.experts`` adapts the experts: ``true``, or ``auto`` with
     all-linear; only for a model that has experts."""

@@ -31,7 +31,7 @@ from launcher.machine.hardware import Hardware, pin_memory_ok
 from launcher.machine.speeds import Machine
 from launcher.model import hfconfig
 from launcher.model.loss import HeadNotPlain, head_problem
-from launcher.model.targets import ALL_LINEAR, with_experts
+from launcher.model.targets import ALL_LINEAR, experts_problem, with_experts
 from launcher.plan import availability, steptime
 from launcher.plan.availability import Availability
 from launcher.plan.memory.estimate import ActivationEstimate, compose_every, counted_activations, estimate_activations
@@ -406,6 +406,9 @@ def make_shape(cfg: Config, hw: Hardware, avail: Availability, world: int = 1) -
     hfconfig.check_seq_len(config, cfg.data.seq_len)  # plan refuses what train would
     targets = with_experts(tuple(cfg.lora.target_modules) or (ALL_LINEAR,), cfg.lora.experts,
                            hfconfig.has_experts(config))
+    problem = experts_problem(targets, cfg.lora.dropout) if cfg.lora.r else None
+    if problem:
+        raise ConfigError([problem])
     counts = count_params(config, cfg.lora.r, targets, cfg.model.trust_remote_code)
     device = avail.device.type
     return RunShape(config=config, counts=counts, device=device,

@@ -287,9 +287,21 @@ def _op_key(func, args, kwargs, out, outs) -> OpKey:
             flops = 0
         if flops:
             return ("matmul", dtype, flops, _nbytes(ins) + _nbytes(outs))
+    if "grouped_mm" in func._schema.name and args and isinstance(args[0], torch.Tensor):
+        return ("matmul", dtype, _grouped_mm_flops(func._schema.name, args, out), _nbytes(ins) + _nbytes(outs))
     if view:
         return ("view", dtype, 0, 0)
     return ("memory", dtype, 0, _nbytes(ins) + _nbytes(outs))
+
+
+def _grouped_mm_flops(name: str, args, out) -> int:
+    """A mixture-of-experts layer's grouped matmul (torch's ``_grouped_mm``, transformers' fallback op and its
+    backward), which torch's FLOP counter has no formula for: each routed token's row meets one expert's matrix,
+    2 x rows x in x out, whatever the grouping (the backward makes the input's and the weight's gradients: twice)."""
+    if "backward" in name:  # transformers' (input, weight, offs, grad_output)
+        return 4 * args[0].numel() * args[3].shape[-1]
+    first = out[0] if isinstance(out, (tuple, list)) else out
+    return 2 * args[0].numel() * first.shape[-1]
 
 
 _ATTENTION_OPS: list = []  # the op list of the step being traced, for the emulated attention kernel
