@@ -247,3 +247,15 @@ def test_a_moe_step_is_priced_by_the_experts_each_token_is_routed_to(dtype):
     four = ZOO["qwen3_moe"]()
     four.num_experts_per_tok = 4  # twice the routed rows: the experts' share doubles, the rest stays
     assert matmul_flops(four) - dense_part == 2 * experts
+
+
+def test_a_peft_without_lora_on_parameters_is_refused_for_the_experts_with_the_fix(tmp_path, monkeypatch):
+    from launcher.config.schema import ConfigError
+    from launcher.model import lora
+
+    monkeypatch.setattr(lora, "_peft_adapts_parameters", lambda: False)
+    with pytest.raises(ConfigError, match=r"lora\.experts: .*needs peft 0\.17 or newer.*fix: pip install -U peft, or "
+                                          r"lora\.experts=false"):
+        train_family(tmp_path, "qwen3_moe", "lora.r=4")
+    s = train_family(tmp_path, "qwen3_moe", "lora.r=4", "lora.experts=false", "checkpoint.save=false")
+    assert s["status"] == "completed"

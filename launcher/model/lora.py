@@ -42,7 +42,22 @@ def resolve_targets(cfg: Config, model: torch.nn.Module) -> tuple[list[str], lis
     problem = targets.experts_problem(chosen, cfg.lora.dropout)
     if problem:
         raise ConfigError([problem])
+    if targets.EXPERTS in chosen and not _peft_adapts_parameters():
+        import peft
+
+        raise ConfigError([f"lora.experts: {cfg.model.name!r} keeps its experts' weights as parameters, and peft "
+                           f"{peft.__version__} cannot adapt a parameter; rule: LoRA on the experts needs peft 0.17 or "
+                           "newer (target_parameters); fix: pip install -U peft, or lora.experts=false"])
     return targets.for_peft(model, wanted), targets.parameter_targets(targets.adapted_parameters(model, chosen))
+
+
+def _peft_adapts_parameters() -> bool:
+    """peft's LoraConfig takes ``target_parameters`` (LoRA on an nn.Parameter: peft 0.17 and newer)."""
+    import dataclasses
+
+    from peft import LoraConfig
+
+    return "target_parameters" in {f.name for f in dataclasses.fields(LoraConfig)}
 
 
 def check(cfg: Config, hf_config) -> tuple[list[str], list[str]] | None:
@@ -69,8 +84,9 @@ def apply_lora(cfg: Config, model: torch.nn.Module, base_name: str | None = None
 
     names, params = resolve_targets(cfg, model)
     experts = len(targets.expert_parameters(model))
+    on_params = {"target_parameters": params} if params else {}  # peft 0.17+ (resolve_targets refused older)
     lc = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout, target_modules=names,
-                    target_parameters=params or None, bias="none", task_type="CAUSAL_LM")
+                    bias="none", task_type="CAUSAL_LM", **on_params)
     # autocast_adapter_dtype: adapters of a 16-bit base are made fp32, as the optimizer and GradScaler need.
     with warnings.catch_warnings():  # peft asks a deprecated transformers property; nothing for the user to do
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)

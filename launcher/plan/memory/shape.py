@@ -83,9 +83,9 @@ def build_meta_model(config, *, attn_implementation: str = "eager", dtype: torch
         params = parameter_targets(adapted_parameters(model, lora_targets))
         # low_cpu_mem_usage: adapters are made on meta without an init pass (10x faster, same shapes)
         with peft_on_meta():
+            on_params = {"target_parameters": params} if params else {}  # peft 0.17+; older ones never get here
             model = get_peft_model(model, LoraConfig(r=lora_r, lora_alpha=lora_r, lora_dropout=lora_dropout,
-                                                     target_modules=names, target_parameters=params or None),
-                                   low_cpu_mem_usage=True)
+                                                     target_modules=names, **on_params), low_cpu_mem_usage=True)
         for name, p in model.named_parameters():
             if "lora_" in name:
                 p.data = p.data.to(adapter_dtype or torch.float32)
