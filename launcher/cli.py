@@ -160,14 +160,18 @@ def _plan(args) -> int:
         print(json.dumps({"gpus": [r.to_dict() for r in rows], "max_steps": cfg.train.max_steps}, indent=2)
               if args.json else compare.table(rows, cfg.train.max_steps), file=out)
         return 0 if any(r.fits for r in rows) else 2
+    host = None
     if spec is not None:  # plan for a card that is not here: its data sheet, this machine as its host
-        machine = gpus.machine(spec, calibrate.load_or_calibrate())
+        host = calibrate.load_or_calibrate()
+        machine = gpus.machine(spec, host)
         hw = gpus.hardware(spec, hw)
     else:  # this machine, priced when it has been calibrated (vramfit doctor --calibrate)
         machine, why = speeds.cached()
         if why:
             logger.warning(why)
-    plan = advice.add_suggestions(planner.plan(cfg, hw, world=world, machine=machine), cfg, hw, world=world)
+    plan = planner.plan(cfg, hw, world=world, machine=machine)
+    plan = advice.add_suggestions(plan, cfg, hw, world=world, machine=machine, card=spec, host=host,
+                                  when_fits=args.alternatives)
     row = plan.chosen_plan
     disk = (diskspace.room(cfg.output_dir, row.checkpoint_bytes, row.final_bytes, cfg.checkpoint.keep_last)
             if row is not None and cfg.checkpoint.save else None)
@@ -277,6 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
                            help="a row per catalogue GPU: fits, setup, tokens/s, hours and cost of the run")
             s.add_argument("--price", default=None, metavar="NAME=USD_PER_H,...",
                            help="with --compare-gpus: prices per hour, e.g. T4=0.35,L4=0.80")
+            s.add_argument("--alternatives", action="store_true",
+                           help="also when a setting fits: other ways to run the job (4-bit base, LoRA, a shorter "
+                                "sequence, a bigger card), each re-planned with its tokens/s (when nothing fits "
+                                "they are always listed)")
         s.set_defaults(fn=fn)
 
     tu = sub.add_parser("tune", help="measure the planner's fastest few settings and keep the fastest measured",

@@ -465,3 +465,37 @@ def test_chunked_loss_extrapolates_from_micro_batches_chunked_alike():
     ext = _batch_extrapolate(at[2], at[4], 8, (2, 4))
     assert ext.ops == at[8].ops and ext.saved == at[8].saved
     assert all(ext.segments[k]["peak"] == v["peak"] for k, v in at[8].segments.items())
+
+
+def test_alternatives_are_re_planned_priced_and_say_what_they_change(tmp_path):
+    """A model whose 16-bit weights do not fit the card: 4-bit is among the alternatives with its tokens/s, the
+    fastest first, each saying what it changes about the training; with something fitting, only faster ones."""
+    from test_steptime import machine
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=4,
+                num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096,
+                tie_word_embeddings=False).save_pretrained(tmp_path)
+    base = [f"model.name={tmp_path}", "data.seq_len=256", "lora.r=16", "train.global_batch_size=4",
+            "train.micro_batch_size=4", "memory.cpu_budget=32", "model.gradient_checkpointing=false"]
+    hw, m, kept = fake_hw(gpu_gib=1.5, capability=(8, 0), bnb="0.50.2"), machine(), ["amp-bf16", "zero2-bf16"]
+    cfg = load_config(None, base)
+    p = advice.add_suggestions(planner.plan(cfg, hw, kept, machine=m), cfg, hw, kept, machine=m)
+    assert p.chosen is None
+    alts = p.alternatives
+    assert alts and [a["tokens_per_s"] for a in alts] == sorted((a["tokens_per_s"] for a in alts), reverse=True)
+    four = next(a for a in alts if "model.quantize=4bit" in a["overrides"])
+    assert four["gpu_bytes"] <= four["gpu_budget"] and four["tokens_per_s"] > 0
+    assert "changes numerics" in four["changes"]
+    text = next(t for t in p.suggestions if t.startswith("model.quantize=4bit"))
+    assert f"{four['tokens_per_s']:.0f} tokens/s" in text and "changes numerics" in text
+    for a in alts:  # each is what planning the change gives
+        again = planner.plan(load_config(None, base + a["overrides"]), hw, None if "profile=auto" in a["overrides"]
+                             else kept, machine=m, exact_rows=False)
+        assert again.chosen == a["profile"] and again.chosen_plan.tokens_per_s == pytest.approx(a["tokens_per_s"])
+    # something fits: only alternatives predicted faster are listed, and the plan says it looked
+    roomy = fake_hw(gpu_gib=40.0, capability=(8, 0), bnb="0.50.2")
+    p = advice.add_suggestions(planner.plan(cfg, roomy, machine=m), cfg, roomy, machine=m, when_fits=True)
+    assert p.chosen is not None and p.alternatives_tried
+    assert all(a["tokens_per_s"] > p.chosen_plan.tokens_per_s for a in p.alternatives)
+    assert "other ways, re-planned" in report.format_table(p)

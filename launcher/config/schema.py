@@ -144,8 +144,10 @@ class EvalConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = _f(200, "Optimizer steps to run.", min=1)
-    micro_batch_size: Any = _f(8, "Samples per forward/backward per rank (int, or 'auto' to take the planner's).",
-                               min=1, auto=True)
+    # auto by default: the micro-batch is a memory and speed knob the planner chooses (the fastest that fits, up to
+    # the global batch per rank); the global batch is the training choice and stays the user's
+    micro_batch_size: Any = _f(AUTO, "Samples per forward/backward per rank (int, or 'auto': the planner's fastest "
+                                     "that fits).", min=1, auto=True, number=int)
     global_batch_size: int = _f(16, "Samples per optimizer step over all ranks = micro x accumulation x world.", min=1)
     lr: float = _f(3e-3, "Peak learning rate.", above=0.0)
     min_lr_ratio: float = _f(0.1, "Cosine schedule ends at lr x this.", min=0.0, max=1.0)

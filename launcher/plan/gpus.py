@@ -293,8 +293,9 @@ def machine(spec: GPUSpec, host: Machine) -> Machine:
     from a data sheet, so small ones come out optimistic), the same peaks for fused attention, and the data
     sheet's bandwidth for everything memory-bound. The fixed cost of an op is the framework's on the host CPU, so
     it comes from this machine's calibration (``host.compute``) when ``host`` is one, otherwise from the cost of
-    a CUDA kernel launch. Host rates (the CPU, optimizers that run on it, the engines' fixed costs, the disk):
-    this machine's calibration stands in for the rented host's CPU. Copies between host and GPU: the PCIe link's
+    a CUDA kernel launch. Host rates (the CPU, optimizers that run on it, the engines' fixed and per-tensor costs,
+    the disk): this machine's calibration stands in for the rented host's CPU; the engines' per-parameter costs
+    measured here are left out (:func:`engine_costs_on_paper`). Copies between host and GPU: the PCIe link's
     theoretical one-direction bandwidth.
     """
     peaks = {"float16": spec.fp16_tflops * 1e12, "float32": spec.fp32_tflops * 1e12}
@@ -322,14 +323,42 @@ def machine(spec: GPUSpec, host: Machine) -> Machine:
         per_tensor = (host.optimizers.get(f"{kind}@cuda") or host.optimizers.get(f"{kind}@cpu")
                       or host.optimizers.get("torch_fused_adamw@cpu") or (0.0, 0.0))[1]
         optimizers[f"{kind}@cuda"] = [ADAMW_BYTES_PER_PARAM / bandwidth, per_tensor]
+    engines, dropped = engine_costs_on_paper(host.engines)
     source = (f"{spec.source}: dense tensor-core and FP32 peaks, {spec.bandwidth_gb_s:g} GB/s, PCIe "
-              f"{spec.pcie_gen}.0 x{spec.pcie_lanes}; {op_source}; host CPU, CPU optimizers and engine fixed costs "
-              f"from {host.name} ({host.source}), standing in for the rented host's CPU")
-    return Machine(name=f"{spec.title} (data sheet)", source=source, compute=compute, host=host.host,
-                   h2d_bytes_per_s=dict(link), d2h_bytes_per_s=dict(link), optimizers=optimizers,
-                   engines=copy.deepcopy(host.engines), disk_write_bytes_per_s=host.disk_write_bytes_per_s,
+              f"{spec.pcie_gen}.0 x{spec.pcie_lanes}; {op_source}; host CPU, CPU optimizers and the engines' fixed "
+              f"and per-tensor costs from {host.name} ({host.source}), standing in for the rented host's CPU; the "
+              "engines' per-parameter costs measured there are left out (on the card they are the copies and "
+              "passes priced from the data sheet)")
+    return Machine(name=f"{spec.title} (data sheet: step times on paper)", source=source, compute=compute,
+                   host=host.host, h2d_bytes_per_s=dict(link), d2h_bytes_per_s=dict(link), optimizers=optimizers,
+                   engines=engines, disk_write_bytes_per_s=host.disk_write_bytes_per_s,
                    threads=host.threads, measured={"gpu": spec.name, "host": host.name,
-                                                   "unconfirmed": list(spec.unconfirmed)})
+                                                   "unconfirmed": list(spec.unconfirmed),
+                                                   "on_paper": ["every device rate (data sheet peaks)",
+                                                                "host-device copies (PCIe theoretical)"]
+                                                   + [f"{k} per parameter: left out" for k in dropped]})
+
+
+# An engine's cost per parameter, as ``vramfit doctor --calibrate`` measures it, is a pass over the weights or
+# gradients in the memory the engine computes in: with DeepSpeed's CPU accelerator (or FSDP on a CPU mesh) that is
+# host memory, e.g. ZeRO-3 gathering a parameter is a host-memory copy at this CPU's speed (~2.5-5 ns per parameter
+# on a 2-core box, 20-40 s per micro-batch of a 7B model). On a GPU the same work is the PCIe copy of the 16-bit
+# weights and the device-memory passes that the step-time model prices already from the card's data sheet
+# (``grad_copies``/``weight_copies``/``memory_traffic`` of :func:`launcher.plan.steptime.predict`), so a measured
+# per-parameter term would count it twice at the wrong speed. The fixed and per-tensor terms (Python bookkeeping,
+# hooks, bucketing) run on the host CPU in either case and stay, with this machine's CPU standing in.
+PER_PARAMETER_TERMS = ("micro_param_s", "step_param_s")
+
+
+def engine_costs_on_paper(engines: dict) -> tuple[dict, list[str]]:
+    """``engines`` (a calibration's fixed costs per engine family) without the per-parameter terms, and the
+    families that had one."""
+    out, dropped = {}, []
+    for fam, terms in engines.items():
+        out[fam] = {k: (0.0 if k in PER_PARAMETER_TERMS else v) for k, v in terms.items()}
+        if any(terms.get(k) for k in PER_PARAMETER_TERMS):
+            dropped.append(fam)
+    return out, dropped
 
 
 # ------------------------------------------------------------------------------------------------

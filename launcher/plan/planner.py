@@ -112,6 +112,8 @@ class Plan:
     budget: dict  # gpu_bytes, cpu_bytes, gpu_source, cpu_source
     suggestions: list[str] = field(default_factory=list)
     suggested_overrides: list[list[str]] = field(default_factory=list)  # key=value lists behind suggestions
+    alternatives: list = field(default_factory=list)  # the same, as records (launcher.plan.advice.Alternative)
+    alternatives_tried: bool = False  # alternatives were looked for although something fits
     model: dict = field(default_factory=dict)
     settings: dict = field(default_factory=dict)
     assumptions: dict = field(default_factory=dict)
@@ -137,7 +139,8 @@ class Plan:
         """The ``vramfit plan --json`` document (a dict; ``json.dumps`` it)."""
         return {"profiles": [p.to_dict() for p in self.profiles], "chosen": self.chosen, "reason": self.reason,
                 "budget": dict(self.budget), "suggestions": list(self.suggestions),
-                "suggested_overrides": [list(o) for o in self.suggested_overrides], "model": self.model,
+                "suggested_overrides": [list(o) for o in self.suggested_overrides],
+                "alternatives": list(self.alternatives), "model": self.model,
                 "settings": self.settings, "assumptions": self.assumptions, "activations": self.activations,
                 "seconds": round(self.seconds, 3), "machine": self.machine, "candidates": list(self.candidates),
                 "runner_up": self.runner_up, "activations_counted": self.activations_counted}
@@ -500,8 +503,11 @@ def plan(cfg: Config, hw: Hardware, profiles: list[str] | None = None, *, world:
 
     fitting = sorted((r for r in pool if r.fits), key=order)
     chosen = fitting[0] if fitting else None
+    tie = None
+    if chosen is not None and machine is not None and chosen.step_s is not None:
+        chosen, tie = simplest_within_error(fitting, avail)
     every = sorted((c for row, cands in searched if row.available for c in cands), key=order)
-    reason = _reason(chosen, pool, rows, cfg, gpu_budget, cpu_budget, run)
+    reason = _reason(chosen, pool, rows, cfg, gpu_budget, cpu_budget, run) + (f"; {tie}" if tie else "")
     out = Plan(profiles=rows, chosen=chosen.profile if chosen else None, reason=reason,
                budget={"gpu_bytes": gpu_budget, "cpu_bytes": cpu_budget, "gpu_source": sources["gpu"],
                        "cpu_source": sources["cpu"]},
@@ -517,7 +523,10 @@ def plan(cfg: Config, hw: Hardware, profiles: list[str] | None = None, *, world:
     second = next((c for c in every if (c.profile, c.setting) != (chosen.profile, chosen.setting)), None) \
         if chosen is not None else None
     if second is not None:
-        if machine is not None and second.step_s and chosen.step_s:
+        if machine is not None and second.step_s and chosen.step_s and second.step_s < chosen.step_s:
+            why = (f"predicted {second.step_s:.3g} s/step against {chosen.step_s:.3g} "
+                   f"({chosen.step_s / second.step_s:.2f}x faster, within the model's error: the simpler was chosen)")
+        elif machine is not None and second.step_s and chosen.step_s:
             why = (f"predicted {second.step_s:.3g} s/step against {chosen.step_s:.3g} "
                    f"({second.step_s / chosen.step_s:.2f}x slower)")
         else:
@@ -525,6 +534,28 @@ def plan(cfg: Config, hw: Hardware, profiles: list[str] | None = None, *, world:
         out.runner_up = {"profile": second.profile, "setting": second.setting, "step_s": second.step_s, "why": why}
     out.seconds = time.perf_counter() - t0
     return out
+
+
+def simplest_within_error(fitting: list[ProfilePlan], avail: Availability) -> tuple[ProfilePlan, str | None]:
+    """The row to choose of ``fitting`` (priced, fastest first): the fastest, unless a setting with less offload or
+    fewer moving parts (:func:`launcher.plan.steptime.moving_parts`) is predicted within the model's measured error
+    of it (:func:`launcher.plan.steptime.model_error`, the larger of the two families'): then the simplest of those,
+    and why. A prediction closer than the model's error is not a reason to move every weight over PCIe."""
+    fastest = fitting[0]
+    f_prof = avail.profile(fastest.profile)
+
+    def parts(r: ProfilePlan) -> tuple:
+        return steptime.moving_parts(avail.profile(r.profile), r.offload_activations)
+
+    close = [r for r in fitting if r.step_s is not None and parts(r) < parts(fastest)
+             and r.step_s <= fastest.step_s * (1 + max(steptime.model_error(f_prof), steptime.model_error(avail.profile(r.profile))))]
+    if not close:
+        return fastest, None
+    pick = min(close, key=lambda r: (parts(r), r.step_s))
+    err = max(steptime.model_error(f_prof), steptime.model_error(avail.profile(pick.profile)))
+    return pick, (f"{fastest.profile} is predicted {pick.step_s / fastest.step_s:.2f}x faster ({fastest.step_s:.3g} "
+                  f"s/step), within the model's measured error ({err:.0%}): chose the simpler, with less offload or "
+                  "fewer moving parts")
 
 
 def checkpoint_options(cfg: Config, layers: int) -> list[tuple[bool, int]]:

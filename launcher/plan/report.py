@@ -60,8 +60,12 @@ def format_table(plan: Plan) -> str:
             lines.append(f"runner-up: {ru['profile']}, {ru['setting']} -- {ru['why']}")
     else:
         lines.append(f"chosen: none -- {plan.reason}")
+    if plan.alternatives_tried and not plan.suggestions:
+        lines.append("other ways, re-planned: none is predicted faster")
     if plan.suggestions:
-        lines.append("would fit:")
+        lines.append(("other ways, re-planned" if plan.chosen else "would fit, re-planned")
+                     + (", fastest first:" if plan.alternatives and all(a["tokens_per_s"] for a in plan.alternatives)
+                        else ":"))
         lines += [f"  {x}" for x in plan.suggestions]
     return "\n".join(lines)
 

@@ -88,7 +88,7 @@ def resolve(cfg: Config, hw: Hardware, world: int = 1, local_rank: int = 0, mach
         row = plan.get(chosen.name)
         if row is not None and not row.fits:
             if row.cpu_bytes > plan.budget["cpu_bytes"]:  # a host OOM kill loses the run: refuse before loading
-                advice.add_suggestions(plan, cfg, hw, [chosen.name], world)
+                advice.add_suggestions(plan, cfg, hw, [chosen.name], world, machine)
                 raise ConfigError([f"memory: profile {chosen.name} needs {gib(row.cpu_bytes)} of CPU RAM, the "
                                    f"budget is {gib(plan.budget['cpu_bytes'])} ({plan.budget['cpu_source']}); "
                                    "rule: planned host memory must fit, or the kernel kills the run; fix: "
@@ -103,7 +103,7 @@ def resolve(cfg: Config, hw: Hardware, world: int = 1, local_rank: int = 0, mach
             raise availability.engine_error(cfg, avail)
         plan = planner.plan(cfg, hw, [p.name for p in order], world=world, machine=machine, avail=avail)
         if plan.chosen is None:
-            advice.add_suggestions(plan, cfg, hw, [p.name for p in order], world)
+            advice.add_suggestions(plan, cfg, hw, [p.name for p in order], world, machine)
             tips = "; ".join(plan.suggestions) or "a smaller model or more memory"
             raise ConfigError([f"memory: no profile fits; {plan.reason}; fix: {tips}"], "memory plan")
         chosen = PROFILES[plan.chosen]

@@ -63,6 +63,32 @@ def optimizer_kind(p: Profile, device: str, optimizer: str = "adamw") -> str:
     return f"torch_fused_adamw@{device}"
 
 
+# The model's measured error per engine family: the median |predicted - measured| / measured step time of the
+# family's points in the committed validation grid (scripts/validate_steptime.py, 18 settings of tiny and
+# llama-125m on a 2-core Xeon: bench/results/2026-12-02-cpu-xeon/steptime-wide-engine/fastest-pass/;
+# tests/test_steptime.py recomputes it from that file). A family the grid has no point of takes the largest of
+# them. No GPU measurement is committed, so a plan for a card priced on paper uses the same figures as the
+# least it can be off by. Two settings whose predictions are closer than this are a tie the planner breaks
+# towards less offload and fewer moving parts (:func:`moving_parts`).
+MODEL_ERROR = {"amp": 0.083, "zero2": 0.071, "zero2_offload": 0.245, "fsdp": 0.032}
+MODEL_ERROR_SOURCE = "bench/results/2026-12-02-cpu-xeon/steptime-wide-engine/fastest-pass/validate_steptime.json"
+
+
+def model_error(p: Profile) -> float:
+    """The step-time model's measured relative error for ``p``'s engine family (see :data:`MODEL_ERROR`)."""
+    return MODEL_ERROR.get(family(p), max(MODEL_ERROR.values()))
+
+
+def moving_parts(p: Profile, offload_activations: bool = False) -> tuple[int, int]:
+    """How much a setting moves and how many parts it runs, smaller is simpler: (offload, engine). Offload counts
+    what crosses to the CPU or the disk every step (optimizer states 1, parameters 2, activations 1, NVMe 2 more);
+    the engine, its machinery over plain torch (AMP 0, ZeRO-2 1, FSDP2 2, ZeRO-3 3)."""
+    offload = (int(p.offload_optimizer) + 2 * int(p.offload_param) + int(offload_activations)
+               + 2 * (int(getattr(p, "nvme_optimizer", False)) + int(getattr(p, "nvme_param", False))))
+    engine = {"amp": 0, "fsdp": 2}.get(p.engine, 3 if p.zero_stage >= 3 else 1)
+    return offload, engine
+
+
 # Which copies overlap compute, per engine (True: they run on a side stream while layers compute).
 OVERLAP = {
     # DeepSpeed ZeRO-2 with overlap_comm (our profiles set it): gradients are reduced and, with optimizer
