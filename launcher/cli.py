@@ -150,28 +150,43 @@ def _plan(args) -> int:
                            "GPUs; fix: add --compare-gpus"], "command line")
     if args.gpu and args.compare_gpus:
         raise ConfigError(["--gpu with --compare-gpus; rule: one GPU, or all of them; fix: drop one"], "command line")
+    several = args.gpus is not None or args.nodes != 1 or args.network_gbps is not None
+    if several and not (args.gpu or args.compare_gpus):
+        raise ConfigError(["--gpus/--nodes/--network-gbps without --gpu or --compare-gpus; rule: they plan cards of "
+                           "the catalogue (a run on this machine takes its ranks from the launcher); fix: add --gpu "
+                           "NAME (or --compare-gpus)"], "command line")
+    counts = compare.parse_counts(args.gpus)
+    if args.gpu and len(counts) > 1:
+        raise ConfigError([f"--gpus: got {args.gpus!r} with --gpu; rule: one count per plan, several only with "
+                           f"--compare-gpus; fix: --gpus {counts[-1]}"], "command line")
+    network = args.network_gbps if args.network_gbps is not None else gpus.DEFAULT_NETWORK_GBPS
     cfg = _settle_data_formats(load_config(path, overrides))
+    if several:
+        compare.check_counts(cfg, counts, args.nodes)
     spec = gpus.find(args.gpu) if args.gpu else None  # a bad name fails before anything is measured
     prices = compare.parse_prices(args.price) if args.compare_gpus else {}
     hw = with_nvme(probe(), cfg.memory.nvme_path)
     world = dist.current().world
     if args.compare_gpus:
-        rows = compare.compare(cfg, hw, calibrate.load_or_calibrate(), prices, world=world)
+        rows = compare.compare(cfg, hw, calibrate.load_or_calibrate(), prices, world=world,
+                               counts=counts if several else None, nodes=args.nodes, network_gbps=network)
         print(json.dumps({"gpus": [r.to_dict() for r in rows], "max_steps": cfg.train.max_steps}, indent=2)
               if args.json else compare.table(rows, cfg.train.max_steps), file=out)
         return 0 if any(r.fits for r in rows) else 2
-    host = None
+    host, nodes, links = None, 1, None
     if spec is not None:  # plan for a card that is not here: its data sheet, this machine as its host
         host = calibrate.load_or_calibrate()
         machine = gpus.machine(spec, host)
         hw = gpus.hardware(spec, hw)
+        if several:
+            world, nodes, links = counts[0] * args.nodes, args.nodes, gpus.links(spec, network)
     else:  # this machine, priced when it has been calibrated (vramfit doctor --calibrate)
         machine, why = speeds.cached()
         if why:
             logger.warning(why)
-    plan = planner.plan(cfg, hw, world=world, machine=machine)
+    plan = planner.plan(cfg, hw, world=world, machine=machine, nodes=nodes, links=links)
     plan = advice.add_suggestions(plan, cfg, hw, world=world, machine=machine, card=spec, host=host,
-                                  when_fits=args.alternatives)
+                                  when_fits=args.alternatives, nodes=nodes, links=links)
     row = plan.chosen_plan
     disk = (diskspace.room(cfg.output_dir, row.checkpoint_bytes, row.final_bytes, cfg.checkpoint.keep_last)
             if row is not None and cfg.checkpoint.save else None)
@@ -281,6 +296,13 @@ def build_parser() -> argparse.ArgumentParser:
                            help="a row per catalogue GPU: fits, setup, tokens/s, hours and cost of the run")
             s.add_argument("--price", default=None, metavar="NAME=USD_PER_H,...",
                            help="with --compare-gpus: prices per hour, e.g. T4=0.35,L4=0.80")
+            s.add_argument("--gpus", default=None, metavar="N[,N...]",
+                           help="with --gpu: N cards per machine (per-rank memory, communication priced); with "
+                                "--compare-gpus: the counts to compare, e.g. 1,2,4")
+            s.add_argument("--nodes", type=int, default=1, metavar="M",
+                           help="machines of --gpus cards each (default: %(default)s)")
+            s.add_argument("--network-gbps", type=float, default=None, metavar="G",
+                           help="the network between machines, Gbit/s (default: 10)")
             s.add_argument("--alternatives", action="store_true",
                            help="also when a setting fits: other ways to run the job (4-bit base, LoRA, a shorter "
                                 "sequence, a bigger card), each re-planned with its tokens/s (when nothing fits "

@@ -28,7 +28,7 @@ def test_plan_for_a_gpu_that_is_not_here(calibrated):
     assert r.returncode == 0, r.stderr[-2000:]
     plan = json.loads(r.stdout)
     assert plan["settings"]["precision"] == "fp16"  # a T4 has no bf16
-    assert plan["machine"].startswith("NVIDIA T4 (data sheet)")
+    assert plan["machine"].startswith("NVIDIA T4 (data sheet: step times on paper)")
     chosen = next(p for p in plan["profiles"] if p["profile"] == plan["chosen"])
     assert chosen["step_s"] > 0 and chosen["tokens_per_s"] > 0 and chosen["eta_s"] > 0
     assert plan["budget"]["gpu_bytes"] < 15 * 2**30 and "T4" in plan["budget"]["gpu_source"]
@@ -78,3 +78,15 @@ def test_tune_measures_the_top_settings_and_keeps_the_fastest(tmp_path, calibrat
     # a second tune never overwrites the first one's results
     again = run_cli("tune", *args, "--out", str(out), env=calibrated)
     assert again.returncode == 2 and "never overwrites" in again.stderr
+
+
+@pytest.mark.slow  # with the calibration they share
+def test_plan_for_two_cards_is_per_rank(calibrated):
+    r = run_cli("plan", "--gpu", "RTX4090", "--gpus", "2", "model.name=tiny", "data.seq_len=64",
+                "memory.cpu_budget=32", "--json", env=calibrated)
+    assert r.returncode == 0, r.stderr[-2000:]
+    plan = json.loads(r.stdout)
+    assert plan["settings"]["world_size"] == 2 and plan["budget"]["cpu_bytes"] == 16 * 2**30
+    assert "shared by 2 ranks" in plan["budget"]["cpu_source"]
+    chosen = next(p for p in plan["profiles"] if p["profile"] == plan["chosen"])
+    assert any("communication" in n for n in chosen["time_notes"])

@@ -75,13 +75,14 @@ class Alternative:
 
 def add_suggestions(plan: planner.Plan, cfg: Config, hw: Hardware, profiles=None, world: int = 1,
                     machine: Machine | None = None, card: gpus.GPUSpec | None = None, host: Machine | None = None,
-                    when_fits: bool = False) -> planner.Plan:
+                    when_fits: bool = False, nodes: int = 1, links: dict | None = None) -> planner.Plan:
     """``plan`` with its alternatives filled in: when nothing fits (what would), and with ``when_fits`` also when
     something does (what else fits, faster or not). ``machine`` prices them as it priced the plan; ``card`` and
     ``host``: the plan is for that catalogue card, priced from ``host``'s calibration, and bigger cards are tried."""
     if plan.suggestions or (plan.chosen is not None and not when_fits):
         return plan
-    alts = alternatives(cfg, hw, profiles, world, machine, card, host, fits_already=plan.chosen is not None)
+    alts = alternatives(cfg, hw, profiles, world, machine, card, host, fits_already=plan.chosen is not None,
+                        nodes=nodes, links=links)
     chosen = plan.chosen_plan
     if chosen is not None:  # something fits: only what is predicted faster is worth a change
         alts = [a for a in alts if a.tokens_per_s and chosen.tokens_per_s and a.tokens_per_s > chosen.tokens_per_s]
@@ -142,13 +143,13 @@ def _bigger_cards(card: gpus.GPUSpec | None, count: int = 3) -> list[gpus.GPUSpe
 
 
 def _try(cfg: Config, hw: Hardware, overrides: list[str], profiles, world: int,
-         machine: Machine | None) -> Alternative | None:
+         machine: Machine | None, nodes: int = 1, links: dict | None = None) -> Alternative | None:
     trial = with_overrides(cfg, overrides)
     if trial.model.quantize != "none" and trial.lora.r == 0:
         return None
     try:
         p = planner.plan(trial, hw, profiles=None if "engine=auto" in overrides or "profile=auto" in overrides
-                         else profiles, world=world, machine=machine, exact_rows=False)
+                         else profiles, world=world, machine=machine, exact_rows=False, nodes=nodes, links=links)
     except ConfigError:  # e.g. a micro-batch a deepspeed_config's explicit one disagrees with
         return None
     c = p.chosen_plan
@@ -162,7 +163,7 @@ def _try(cfg: Config, hw: Hardware, overrides: list[str], profiles, world: int,
 
 def alternatives(cfg: Config, hw: Hardware, profiles=None, world: int = 1, machine: Machine | None = None,
                  card: gpus.GPUSpec | None = None, host: Machine | None = None,
-                 fits_already: bool = False) -> list[Alternative]:
+                 fits_already: bool = False, nodes: int = 1, links: dict | None = None) -> list[Alternative]:
     """Up to :data:`SHOWN` changes that fit, each re-planned, the fastest first: single changes, then (when no
     single change fits and the run does not) cumulative combinations, then bigger cards of the catalogue."""
     found: list[Alternative] = []
@@ -173,7 +174,7 @@ def alternatives(cfg: Config, hw: Hardware, profiles=None, world: int = 1, machi
             if tuple(ov) in seen:
                 continue
             seen.add(tuple(ov))
-            alt = _try(cfg, hw, ov, profiles, world, machine)
+            alt = _try(cfg, hw, ov, profiles, world, machine, nodes, links)
             if alt is not None:
                 found.append(alt)
         if found:  # combinations only when no single change is enough
@@ -181,7 +182,8 @@ def alternatives(cfg: Config, hw: Hardware, profiles=None, world: int = 1, machi
     if card is not None and host is not None:
         for spec in _bigger_cards(card):
             p = planner.plan(cfg, gpus.hardware(spec, hw), profiles=profiles, world=world,
-                             machine=gpus.machine(spec, host), exact_rows=False)
+                             machine=gpus.machine(spec, host), exact_rows=False, nodes=nodes,
+                             links=gpus.links(spec, links["inter"] * 8 / 1e9) if links else None)
             c = p.chosen_plan
             if c is not None:
                 found.append(Alternative(overrides=[f"--gpu {spec.name}"], profile=c.profile, setting=c.setting,

@@ -1,6 +1,7 @@
 """Which GPU to rent for a job: the same plan for every card of the catalogue, with hours and cost.
 
-``vramfit plan --compare-gpus [--price T4=0.35,L4=0.80,...]``: for each GPU of :mod:`launcher.plan.gpus`, the plan
+``vramfit plan --compare-gpus [--gpus 1,2,4] [--price T4=0.35,L4=0.80,...]``: for each GPU of :mod:`launcher.plan.gpus`
+(and each count of cards), the plan
 of this config on that card (its memory, its precision, its data-sheet speeds; the host's CPU, RAM budget,
 optimizers and engine costs from this machine's calibration) and the fastest setting that fits, its
 predicted tokens/s, the hours of the whole run (``train.max_steps`` steps) and, with a price per hour, its
@@ -20,6 +21,8 @@ from launcher.plan import gpus, planner
 @dataclass
 class GpuRow:
     gpu: str
+    count: int  # cards per machine
+    nodes: int  # machines
     memory_gib: float
     precision: str | None
     fits: bool
@@ -31,6 +34,7 @@ class GpuRow:
     price_per_hour: float | None
     cost: float | None
     why_not: str | None
+    note: str = ""  # e.g. more cards that are slower or dearer than one
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -67,35 +71,98 @@ def parse_prices(text: str | None) -> dict[str, float]:
     return out
 
 
+def parse_counts(text: str | int | None) -> list[int]:
+    """``--gpus``: ``2`` or ``1,2,4`` -> [1, 2, 4]; a bad value is a ConfigError."""
+    if text is None or text == "":
+        return [1]
+    out = []
+    for item in str(text).split(","):
+        try:
+            n = int(item)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ConfigError([f"--gpus: got {item!r}; rule: whole numbers of cards per machine, 1 or more, separated "
+                               "by commas; fix: --gpus 2 (or --gpus 1,2,4 with --compare-gpus)"], "command line")
+        out.append(n)
+    return sorted(set(out))
+
+
+def check_counts(cfg: Config, counts: list[int], nodes: int) -> None:
+    """Every count of cards x ``nodes`` must split the global batch: refused with the numbers before planning."""
+    if nodes < 1:
+        raise ConfigError([f"--nodes: got {nodes}; rule: 1 or more machines; fix: --nodes 1"], "command line")
+    bad = [n for n in counts if cfg.train.global_batch_size % (n * nodes)]
+    if bad:
+        ok = [n for n in (1, 2, 4, 8) if cfg.train.global_batch_size % (n * nodes) == 0]
+        raise ConfigError([f"--gpus: got {','.join(map(str, bad))} with --nodes {nodes}; rule: "
+                           f"train.global_batch_size={cfg.train.global_batch_size} must split evenly over the "
+                           f"{'/'.join(str(n * nodes) for n in bad)} ranks; fix: --gpus "
+                           f"{','.join(map(str, ok)) or 1}, or a train.global_batch_size divisible by them"],
+                          "command line")
+
+
+def plan_on(cfg: Config, spec: gpus.GPUSpec, host_hw: Hardware, host: Machine, count: int = 1, nodes: int = 1,
+            network_gbps: float = gpus.DEFAULT_NETWORK_GBPS, ram_gib: float | None = None,
+            exact_rows: bool = True) -> planner.Plan:
+    """The plan of ``cfg`` on ``count`` x ``spec`` per machine, ``nodes`` machines like this host."""
+    return planner.plan(cfg, gpus.hardware(spec, host_hw, ram_gib), world=count * nodes,
+                        machine=gpus.machine(spec, host), exact_rows=exact_rows, nodes=nodes,
+                        links=gpus.links(spec, network_gbps))
+
+
 def compare(cfg: Config, host_hw: Hardware, host: Machine, prices: dict[str, float] | None = None,
-            ram_gib: float | None = None, world: int = 1) -> list[GpuRow]:
-    """One row per catalogue GPU, fastest first (those where nothing fits last)."""
+            ram_gib: float | None = None, world: int = 1, counts: list[int] | None = None, nodes: int = 1,
+            network_gbps: float = gpus.DEFAULT_NETWORK_GBPS) -> list[GpuRow]:
+    """One row per catalogue GPU and count of cards, fastest first (those where nothing fits last). A price is per
+    card-hour; a row of several cards costs them all. ``world`` (the launcher's ranks) is used when no ``counts``
+    are given."""
     prices = prices or {}
     rows = []
     for name in gpus.names():
         spec = gpus.find(name)
-        p = planner.plan(cfg, gpus.hardware(spec, host_hw, ram_gib), world=world, machine=gpus.machine(spec, host),
-                         exact_rows=False)  # only each GPU's chosen row from exact traces
-        c = p.chosen_plan
-        price = prices.get(spec.name)
-        hours = c.step_s * cfg.train.max_steps / 3600 if c is not None and c.step_s else None
-        rows.append(GpuRow(gpu=spec.name, memory_gib=spec.memory_bytes / 2**30, precision=p.settings.get("precision"),
-                           fits=c is not None, profile=c.profile if c else None, setting=c.setting if c else None,
-                           step_s=c.step_s if c else None, tokens_per_s=c.tokens_per_s if c else None, hours=hours,
-                           price_per_hour=price, cost=price * hours if price is not None and hours is not None else None,
-                           why_not=None if c else p.reason))
+        mine = []
+        for count in (counts or [world]):
+            p = plan_on(cfg, spec, host_hw, host, count, nodes, network_gbps, ram_gib,
+                        exact_rows=False)  # only each GPU's chosen row from exact traces
+            c = p.chosen_plan
+            price = prices.get(spec.name)
+            hours = c.step_s * cfg.train.max_steps / 3600 if c is not None and c.step_s else None
+            cards = count * nodes
+            mine.append(GpuRow(gpu=spec.name, count=count, nodes=nodes, memory_gib=spec.memory_bytes / 2**30,
+                               precision=p.settings.get("precision"), fits=c is not None,
+                               profile=c.profile if c else None, setting=c.setting if c else None,
+                               step_s=c.step_s if c else None, tokens_per_s=c.tokens_per_s if c else None, hours=hours,
+                               price_per_hour=price * cards if price is not None else None,
+                               cost=price * cards * hours if price is not None and hours is not None else None,
+                               why_not=None if c else p.reason))
+        fewest = next((r for r in mine if r.fits), None)
+        for r in mine:
+            if r is fewest or not r.fits or fewest is None:
+                continue
+            if r.tokens_per_s <= fewest.tokens_per_s:
+                r.note = f"slower than {fewest.count} card{'s' * (fewest.count > 1)}"
+            elif r.cost is not None and fewest.cost is not None and r.cost > fewest.cost:
+                r.note = f"{r.cost / fewest.cost:.2f}x the cost of {fewest.count}"
+        rows += mine
     return sorted(rows, key=lambda r: (not r.fits, r.step_s or 0.0))
 
 
 def table(rows: list[GpuRow], max_steps: int) -> str:
-    head = ["GPU", "GiB", "fits", "setup", "tokens/s", f"hours ({max_steps} steps)", "USD/h", "cost USD"]
+    several = any(r.count * r.nodes > 1 for r in rows)
+    head = ["GPU"] + (["cards"] if several else []) + ["GiB", "fits", "setup", "tokens/s",
+                                                       f"hours ({max_steps} steps)", "USD/h", "cost USD"]
+    if any(r.note for r in rows):
+        head.append("note")
     body = []
     for r in rows:
-        body.append([r.gpu, f"{r.memory_gib:.1f}", "yes" if r.fits else "no",
-                     f"{r.profile}, {r.precision}, {r.setting}" if r.fits else (r.why_not or "")[:90],
-                     f"{r.tokens_per_s:.0f}" if r.tokens_per_s else "-", f"{r.hours:.2f}" if r.hours else "-",
-                     "-" if r.price_per_hour is None else f"{r.price_per_hour:.2f}",
-                     "-" if r.cost is None else f"{r.cost:.2f}"])
+        cards = [f"{r.count}" + (f" x {r.nodes} nodes" if r.nodes > 1 else "")] if several else []
+        line = [r.gpu, *cards, f"{r.memory_gib:.1f}", "yes" if r.fits else "no",
+                f"{r.profile}, {r.precision}, {r.setting}" if r.fits else (r.why_not or "")[:90],
+                f"{r.tokens_per_s:.0f}" if r.tokens_per_s else "-", f"{r.hours:.2f}" if r.hours else "-",
+                "-" if r.price_per_hour is None else f"{r.price_per_hour:.2f}",
+                "-" if r.cost is None else f"{r.cost:.2f}"]
+        body.append(line + ([r.note] if "note" in head else []))
     widths = [max(len(x[i]) for x in [head] + body) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [head] + body]
     lines.insert(1, "  ".join("-" * w for w in widths))

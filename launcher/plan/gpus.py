@@ -76,6 +76,7 @@ class GPUSpec:
     pcie_lanes: int
     source: str  # the data sheet: title and URL
     unconfirmed: tuple[str, ...] = ()  # numbers the source does not state, and why they are what they are
+    nvlink_gb_s: float | None = None  # NVLink GPU-to-GPU bandwidth, both directions added, where the board has it
 
     @property
     def bf16(self) -> bool:
@@ -186,7 +187,7 @@ CATALOGUE: tuple[GPUSpec, ...] = (
             ("a100-40gb", "a100-sxm4-40gb", "a100-sxm-40gb", "a100-40gb-sxm4"), 40, _gib(39.50),
             "39.50 GiB: PyTorch's OOM message on an A100 40GB, github.com/TianheWu/CoSeR/issues/10 (form factor not "
             "named; 39.38-39.56 GiB appear in other reports)",
-            (8, 0), 312.0, 312.0, 19.5, 624.0, 1555, 4, 16, A100_SHEET),
+            (8, 0), 312.0, 312.0, 19.5, 624.0, 1555, 4, 16, A100_SHEET, nvlink_gb_s=600),
     GPUSpec("A100-40GB-PCIe", "NVIDIA A100 40GB PCIe",
             ("a100-pcie-40gb", "a100-40gb-pcie", "a100-pcie"), 40, _gib(39.50),
             "39.50 GiB: as the SXM4 40GB (github.com/TianheWu/CoSeR/issues/10, form factor not named)",
@@ -196,7 +197,7 @@ CATALOGUE: tuple[GPUSpec, ...] = (
             ("a100-80gb", "a100-sxm4-80gb", "a100-sxm-80gb", "a100-80gb-sxm4"), 80, _gib(79.15),
             "79.15 GiB: PyTorch's OOM message on an A100 80GB, github.com/vllm-project/vllm/issues/4408 (form factor "
             "not named)",
-            (8, 0), 312.0, 312.0, 19.5, 624.0, 2039, 4, 16, A100_SHEET),
+            (8, 0), 312.0, 312.0, 19.5, 624.0, 2039, 4, 16, A100_SHEET, nvlink_gb_s=600),
     GPUSpec("A100-80GB-PCIe", "NVIDIA A100 80GB PCIe", ("a100-pcie-80gb", "a100-80gb-pcie"), 80, _gib(79.15),
             "79.15 GiB: as the SXM4 80GB (github.com/vllm-project/vllm/issues/4408, form factor not named)",
             (8, 0), 312.0, 312.0, 19.5, 624.0, 1935, 4, 16, A100_SHEET,
@@ -207,7 +208,7 @@ CATALOGUE: tuple[GPUSpec, ...] = (
     GPUSpec("H100-SXM", "NVIDIA H100 SXM5", ("h100-sxm5", "h100-80gb-hbm3", "h100-sxm-80gb"), 80, _gib(79.11),
             "79.11 GiB: PyTorch's OOM message on an H100, github.com/vllm-project/vllm/issues/27508 (form factor "
             "not named)",
-            (9, 0), 989.5, 989.5, 67.0, 1979.0, 3350, 5, 16, H100_SHEET),
+            (9, 0), 989.5, 989.5, 67.0, 1979.0, 3350, 5, 16, H100_SHEET, nvlink_gb_s=900),
     GPUSpec("H100-PCIe", "NVIDIA H100 PCIe", ("h100-pcie-80gb",), 80, _gib(79.11),
             "79.11 GiB: as the SXM5 (github.com/vllm-project/vllm/issues/27508, form factor not named)",
             (9, 0), 756.5, 756.5, 51.0, 1513.0, 2000, 5, 16, H100_SHEET,
@@ -217,8 +218,31 @@ CATALOGUE: tuple[GPUSpec, ...] = (
     GPUSpec("H200-SXM", "NVIDIA H200 SXM", ("h200", "h200-141gb", "nvidia-h200"), 141, _gib(139.80),
             "139.80 GiB: the total capacity PyTorch's OOM messages print on H200s in several public training logs",
             (9, 0), 989.5, 989.5, 67.0, 1979.0, 4800, 5, 16, H200_SHEET,
-            unconfirmed=("memory_bytes: seen in several public logs, no single issue to cite",)),
+            unconfirmed=("memory_bytes: seen in several public logs, no single issue to cite",), nvlink_gb_s=900),
 )
+
+# Links between the cards of one machine and between machines (``vramfit plan --gpus N [--nodes M]``).
+# SXM boards (A100, H100, H200) connect their GPUs over NVLink through NVSwitch: the data sheets print "NVLink:
+# 600GB/s" (A100) and "900GB/s" (H100, H200), both directions added; a ring collective sends in one direction, half
+# of it. PCIe cards (and GeForce cards, whose NVLink bridges rented boxes do not fit) reach each other over PCIe:
+# at best the host link's one-direction bandwidth, through the CPU's root complex or a PCIe switch. Between machines:
+# a network of ``--network-gbps`` gigabits per second, by default 10, the "up to 10 Gigabit" that cloud GPU instances
+# of one or a few cards list (e.g. Amazon EC2 G5 below 8 GPUs, https://aws.amazon.com/ec2/instance-types/g5/).
+DEFAULT_NETWORK_GBPS = 10.0
+
+
+def links(spec: GPUSpec, network_gbps: float = DEFAULT_NETWORK_GBPS) -> dict:
+    """Bytes/s one rank sends to the next in a ring: ``intra`` (same machine), ``inter`` (between machines)."""
+    if network_gbps is None or not network_gbps > 0:
+        raise ConfigError([f"--network-gbps: got {network_gbps!r}; rule: a positive number of gigabits per second; "
+                           f"fix: --network-gbps {DEFAULT_NETWORK_GBPS:g}"], "command line")
+    if spec.nvlink_gb_s:
+        intra, src = spec.nvlink_gb_s / 2 * 1e9, f"NVLink ({spec.nvlink_gb_s:g} GB/s both directions, the data sheet)"
+    else:
+        intra, src = spec.pcie_bytes_per_s, f"PCIe {spec.pcie_gen}.0 x{spec.pcie_lanes} between the cards"
+    return {"intra": intra, "inter": network_gbps * 1e9 / 8, "intra_source": src,
+            "inter_source": f"a {network_gbps:g} Gbit/s network between machines"}
+
 
 # Names that mean several cards: asking for them is an error that lists the choices.
 AMBIGUOUS = {"a100": ("A100-40GB-SXM", "A100-40GB-PCIe", "A100-80GB-SXM", "A100-80GB-PCIe"),

@@ -382,7 +382,7 @@ def _plan_profile(p: Profile, run: RunShape, micro_batch: int, gpu_budget: int, 
                              accumulation=accumulation, seq_len=run.seq_len, world=run.world, pinned=pinned,
                              optimizer=run.optimizer, lora=run.lora_r > 0,
                              activation_copy_bytes=est.offload_copied if est.offloaded else 0,
-                             disk=run.nvme if p.nvme else None)
+                             disk=run.nvme if p.nvme else None, nodes=run.nodes, links=run.links)
         row.step_s, row.tokens_per_s, row.time_parts, row.time_notes = t.step_s, t.tokens_per_s, t.parts, t.notes
         row.eta_s = t.step_s * max_steps if max_steps else None
     return row
@@ -404,7 +404,8 @@ def _micro_batch_candidates(run: RunShape, asked) -> list[int]:
 # The plan
 
 
-def make_shape(cfg: Config, hw: Hardware, avail: Availability, world: int = 1) -> RunShape:
+def make_shape(cfg: Config, hw: Hardware, avail: Availability, world: int = 1, nodes: int = 1,
+               links: dict | None = None) -> RunShape:
     config = hfconfig.load(cfg.model.name, cfg.model.trust_remote_code)
     hfconfig.check_seq_len(config, cfg.data.seq_len)  # plan refuses what train would
     targets = with_experts(tuple(cfg.lora.target_modules) or (ALL_LINEAR,), cfg.lora.experts,
@@ -428,7 +429,8 @@ def make_shape(cfg: Config, hw: Hardware, avail: Availability, world: int = 1) -
                     head_problem=_head_problem(config, cfg.model.trust_remote_code),
                     offload_activations=cfg.memory.offload_activations == "on",
                     offload_mode=cfg.memory.offload_activations,
-                    nvme=hw.nvme if cfg.memory.nvme_path and hw.nvme else None, packed=packs_samples(cfg.data))
+                    nvme=hw.nvme if cfg.memory.nvme_path and hw.nvme else None, packed=packs_samples(cfg.data),
+                    nodes=nodes, links=links)
 
 
 _HEAD_PROBLEMS: dict = {}
@@ -449,7 +451,8 @@ def _head_problem(config, trust_remote_code: bool) -> str | None:
 
 
 def plan(cfg: Config, hw: Hardware, profiles: list[str] | None = None, *, world: int = 1,
-         machine: Machine | None = None, exact_rows: bool = True, avail: availability.Availability | None = None) -> Plan:
+         machine: Machine | None = None, exact_rows: bool = True, avail: availability.Availability | None = None,
+         nodes: int = 1, links: dict | None = None) -> Plan:
     """Plan every profile of the run's precision and choose the fastest one that fits.
 
     ``profiles``: plan only these; default: every profile of the run's precision (and the asked one).
@@ -461,15 +464,23 @@ def plan(cfg: Config, hw: Hardware, profiles: list[str] | None = None, *, world:
     ``exact_rows=False`` (a plan per GPU of the catalogue): only the chosen row is planned from exact traces, the
     others as the search sized them (micro-batches above 3 extrapolated from 2 and 3: their peaks can be low by
     a percent or two), which saves most of the traces of a plan.
+
+    Several ranks (``world``, on ``nodes`` machines): every number is per rank (ZeRO and FSDP partition what they
+    partition, DDP replicates), the CPU budget is the host's RAM shared by its ``world / nodes`` ranks, and with
+    ``links`` (bytes/s between ranks in a machine and between machines, :func:`launcher.plan.gpus.links`) the step
+    time prices the engine's collectives.
     """
     t0 = time.perf_counter()
     avail = avail or availability.assess(cfg, hw)  # a caller that assessed ``cfg`` already passes its answer
-    run = make_shape(cfg, hw, avail, world)
+    run = make_shape(cfg, hw, avail, world, nodes, links)
     if cfg.loss.chunked == "on" and run.head_problem:
         raise ConfigError([f"loss.chunked: got 'on', but {run.head_problem}; rule: chunking applies the output head "
                            "itself, so it must be a plain linear layer whose output the model returns untouched; fix: "
                            "loss.chunked=off (or auto, which plans the plain loss for this model)"])
     gpu_budget, cpu_budget, sources = budgets(cfg, hw, run.device)
+    if run.ranks_per_node > 1:  # the ranks of one machine share its RAM
+        cpu_budget //= run.ranks_per_node
+        sources["cpu"] += f", shared by {run.ranks_per_node} ranks: {gib(cpu_budget)} each"
     names = (list(profiles) if profiles is not None else
              [n for n, p in PROFILES.items() if p.precision == avail.precision])
     if cfg.profile != AUTO and cfg.profile not in names:
@@ -782,7 +793,7 @@ def _model_summary(cfg: Config, run: RunShape) -> dict:
 def _settings(cfg: Config, run: RunShape, why_precision: str) -> dict:
     return {"device": run.device, "precision": run.precision, "precision_reason": why_precision,
             "seq_len": run.seq_len, "micro_batch_size": cfg.train.micro_batch_size,
-            "global_batch_size": run.global_batch, "world_size": run.world,
+            "global_batch_size": run.global_batch, "world_size": run.world, "nodes": run.nodes,
             "gradient_checkpointing": cfg.model.gradient_checkpointing, "checkpoint_every": cfg.model.checkpoint_every,
             "max_steps": cfg.train.max_steps, "keep_last": cfg.checkpoint.keep_last, "output_dir": cfg.output_dir,
             "attn_implementation": run.attn_implementation, "lora_r": run.lora_r,

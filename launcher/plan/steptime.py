@@ -151,9 +151,39 @@ def op_seconds(ops: dict, rates: Rates, host_bound: bool, precision: str | None 
     return total, fixed
 
 
+def collectives(p: Profile, counts, lora: bool, world: int) -> tuple[float, float, float]:
+    """Bytes each rank sends over the ranks' links, as (per micro-batch overlapped with its compute, per step
+    overlapped with one micro-batch's compute, per step not overlapped), for a ring collective: an all-reduce of S
+    bytes sends 2 (N-1)/N S per rank, a reduce-scatter or an all-gather (N-1)/N S (NCCL's own accounting of bus
+    bandwidth, nccl-tests' PERFORMANCE.md).
+
+    - AMP on several ranks is DDP: one all-reduce of the fp32 gradients per step (``no_sync`` while accumulating),
+      in buckets during the last micro-batch's backward (torch/nn/parallel/distributed.py, the reducer's hooks).
+    - ZeRO-1/2: a reduce-scatter of the 16-bit gradients every micro-batch, during backward (``overlap_comm``), and
+      an all-gather of the updated 16-bit partitions after the step, not overlapped
+      (deepspeed/runtime/zero/stage_1_and_2.py: reduce_ipg_grads, then all_gather_dp_groups in step()).
+    - ZeRO-3 and FSDP2: every micro-batch gathers each layer's 16-bit parameters for forward and again for
+      backward, prefetched while the previous layer computes, and reduce-scatters the gradients
+      (partitioned_param_coordinator.py; torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py).
+    """
+    if world <= 1:
+        return 0.0, 0.0, 0.0
+    share = (world - 1) / world
+    cd = 4 if p.precision == "fp32" else 2
+    trainable = counts.adapters if lora else counts.total
+    full = counts.total + (counts.adapters if lora else 0)
+    fam = family(p)
+    if fam == "amp":
+        return 0.0, 2 * share * 4 * trainable, 0.0
+    if fam in ("zero2", "zero2_offload"):
+        return share * cd * trainable, 0.0, share * cd * trainable
+    return 2 * share * cd * full + share * cd * trainable, 0.0, 0.0  # zero3, zero3_offload, fsdp
+
+
 def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int, accumulation: int,
             seq_len: int, world: int = 1, pinned: bool = False, optimizer: str = "adamw",
-            lora: bool = False, activation_copy_bytes: int = 0, disk: dict | None = None) -> StepTime:
+            lora: bool = False, activation_copy_bytes: int = 0, disk: dict | None = None, nodes: int = 1,
+            links: dict | None = None) -> StepTime:
     """Seconds per optimizer step of profile ``p`` on ``machine``. ``ops``: the traced op record of one
     micro-batch's forward + backward at this micro-batch, checkpointing and precision; ``counts``: the
     model's :class:`launcher.plan.memory.shape.ParamCounts`. ``activation_copy_bytes``: activation offload's bytes
@@ -163,7 +193,10 @@ def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int
     ZeRO-Infinity profiles: the optimizer step reads and writes back the fp32 master, m and v (12 bytes per
     trainable parameter), and with parameters on NVMe every forward and backward reads the 16-bit weights
     and the step writes them back; DeepSpeed overlaps the swaps of one sub-group with the update of another,
-    which is not counted (the disk is priced as if alone)."""
+    which is not counted (the disk is priced as if alone). Several ranks: ``links`` holds the bytes/s of the link
+    between ranks in one machine (``intra``) and between machines (``inter``); a ring over ``nodes`` > 1 machines
+    runs at the slower of the two. The engine's collectives (:func:`collectives`) overlap the compute where the
+    engine overlaps them, and what is left over is the ``communication`` part."""
     on_gpu = machine.compute.device == "cuda"
     cd = 4 if p.precision == "fp32" else 2
     trainable = counts.adapters if lora else counts.total
@@ -235,6 +268,18 @@ def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int
         micro = fb + t_grads + t_weights_micro
         exposed_copies = t_grads + t_weights_micro
     micro += t_activations
+    comm_micro, comm_step_overlapped, comm_step = collectives(p, counts, lora, world)
+    t_comm_micro = t_comm_step_overlapped = t_comm_step = 0.0
+    if world > 1 and links:
+        bw = min(links["intra"], links["inter"]) if nodes > 1 else links["intra"]
+        t_comm_micro = max(0.0, comm_micro / bw - compute)  # the collectives run beside the compute
+        t_comm_step_overlapped = max(0.0, comm_step_overlapped / bw - compute)
+        t_comm_step = comm_step / bw
+        notes.append(f"communication over {links['inter_source'] if nodes > 1 else links['intra_source']} "
+                     f"({bw / 1e9:.3g} GB/s)")
+    elif world > 1:
+        notes.append("communication between ranks not priced (no link speeds)")
+    micro += t_comm_micro
     kind = optimizer_kind(p, machine.compute.device, optimizer)
     stand_in = f"torch_fused_adamw@{kind.split('@')[1]}"
     per_param, per_tensor = machine.optimizers.get(kind) or machine.optimizers.get(stand_in) or (0.0, 0.0)
@@ -253,11 +298,13 @@ def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int
             t_disk_step += cd * full / wr
         micro += t_disk_micro
     t_weights_step += t_disk_step
-    step_extra = traffic_step / mem + host_traffic_step / host_mem + t_weights_step + step_fixed
+    step_extra = (traffic_step / mem + host_traffic_step / host_mem + t_weights_step + step_fixed
+                  + t_comm_step_overlapped + t_comm_step)
     parts = {"compute": compute * accumulation, "engine": (micro_fixed * accumulation + step_fixed),
              "memory_traffic": traffic_micro / mem * accumulation + traffic_step / mem + host_traffic_step / host_mem,
              "copies": exposed_copies * accumulation + t_weights_step, "optimizer": opt,
-             "activation_copies": t_activations * accumulation, "disk": (t_disk_micro * accumulation + t_disk_step)}
+             "activation_copies": t_activations * accumulation, "disk": (t_disk_micro * accumulation + t_disk_step),
+             "communication": t_comm_micro * accumulation + t_comm_step_overlapped + t_comm_step}
     parts["copies"] -= t_disk_step
     step = micro * accumulation + opt + step_extra
     correction = machine.corrections.get(fam)

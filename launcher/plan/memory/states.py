@@ -71,6 +71,12 @@ class RunShape:
     offload_mode: str = "off"  # memory.offload_activations: auto | on | off
     nvme: dict | None = None  # memory.nvme_path measured (launcher.machine.hardware.probe_disk): free bytes, speeds
     packed: bool = False  # instruction samples packed padding-free: a block-diagonal attention mask per layer
+    nodes: int = 1  # machines the ``world`` ranks run on (ranks per node = world / nodes share a host's RAM)
+    links: dict | None = None  # bytes/s between ranks: {"intra": ..., "inter": ..., "intra_source", "inter_source"}
+
+    @property
+    def ranks_per_node(self) -> int:
+        return max(1, self.world // max(1, self.nodes))
 
     @property
     def hidden(self) -> int:
@@ -119,6 +125,12 @@ def model_states(p: Profile, run: RunShape, accumulation: int) -> dict:
     opt = OPTIMIZER_BYTES_PER_PARAM[run.optimizer]
     largest_trainable = c.largest_adapter if lora else c.largest_param
     h = run.hidden
+    # Several ranks: ZeRO partitions the fp32 master and the optimizer states (stage 1 and up), the gradients (2 and
+    # up) and the parameters (3) over the ranks; FSDP2 shards parameters, gradients and states; DDP replicates all.
+    n = max(1, run.world)
+    shard_opt = n if (p.engine == "fsdp" or (p.engine == "deepspeed" and p.zero_stage >= 1)) else 1
+    shard_grads = n if (p.engine == "fsdp" or (p.engine == "deepspeed" and p.zero_stage >= 2)) else 1
+    shard_params = n if (p.engine == "fsdp" or (p.engine == "deepspeed" and p.zero_stage >= 3)) else 1
     # buckets as the engine resolves them: the planner's choice, else the rule for this many ranks (a user's
     # deepspeed_config with "auto" keeps Accelerate's hidden**2, as the HF Trainer would)
     rb = p.reduce_bucket_size or bucket_sizes(h, run.world, trainable if in_catalogue(p) else None)["reduce_bucket_size"]
@@ -143,6 +155,9 @@ def model_states(p: Profile, run: RunShape, accumulation: int) -> dict:
             add_part(fb, "gradients", 4 * trainable)
         add_part(step, "gradients", 4 * trainable)
         add_part(step, "buffers", AMP_OPTIMIZER_WORKSPACE * trainable)
+        if n > 1:  # DDP's gradient buckets: a copy of every trainable gradient (gradient_as_bucket_view=False)
+            for d in (fb, step):
+                add_part(d, "buffers", 4 * trainable)
         if run.quantize in QUANT_BYTES_PER_PARAM:  # bitsandbytes dequantizes one weight at a time
             add_part(fb, "buffers", c.largest_module * cd)
     elif p.engine == "deepspeed" and p.zero_stage in (0, 1, 2):
@@ -156,23 +171,24 @@ def model_states(p: Profile, run: RunShape, accumulation: int) -> dict:
         for d in (fb, step):
             add_part(d, "weights", w)
         add_part(fb, "buffers", bucket_bytes + largest_trainable * cd)  # + autograd's grad before it is bucketed
+        part_opt, part_grads = trainable / shard_opt, trainable / shard_grads  # this rank's partition
         if not p.offload_optimizer:
             for d in (fb, step):
-                add_part(d, "master_weights", 4 * trainable)
-                add_part(d, "optimizer_states", 8 * trainable)
-                add_part(d, "gradients", cd * trainable)  # grads_in_partition, allocated at the first reduction
+                add_part(d, "master_weights", 4 * part_opt)
+                add_part(d, "optimizer_states", 8 * part_opt)
+                add_part(d, "gradients", cd * part_grads)  # grads_in_partition, allocated at the first reduction
             if cd != 4:
-                add_part(step, "gradients", 4 * trainable)  # the fp32 copy of the flat partition the update reads
+                add_part(step, "gradients", 4 * part_opt)  # the fp32 copy of the flat partition the update reads
             add_part(step, "buffers", bucket_bytes)
         else:
             add_part(fb, "buffers", largest_trainable * cd)  # temp_grad_buffer_for_gpu_offload
             add_part(step, "buffers", bucket_bytes + largest_trainable * cd)
-            add_part(cpu, "master_weights", 4 * trainable)
-            add_part(cpu, "gradients", 4 * trainable)
-            add_part(cpu, "optimizer_states", 8 * trainable)
-            add_part(cpu, "buffers", cd * trainable + largest_trainable * cd)  # 16-bit update staging, grad staging
+            add_part(cpu, "master_weights", 4 * part_opt)
+            add_part(cpu, "gradients", 4 * part_opt)
+            add_part(cpu, "optimizer_states", 8 * part_opt)
+            add_part(cpu, "buffers", cd * part_opt + largest_trainable * cd)  # 16-bit update staging, grad staging
             if accumulation > 1:
-                add_part(cpu, "gradients", cd * trainable)  # accumulated_grads_in_cpu
+                add_part(cpu, "gradients", cd * part_grads)  # accumulated_grads_in_cpu
     elif p.engine == "deepspeed" and p.zero_stage == 3:
         # Parameters live partitioned on the CPU; the GPU gathers the module in use plus the prefetch bucket.
         b = bucket_sizes(h)
@@ -185,19 +201,20 @@ def model_states(p: Profile, run: RunShape, accumulation: int) -> dict:
         add_part(fb, "gradients", min(c.largest_module, trainable) * cd)
         add_part(fb, "buffers", rb * cd)
         sub_group = NVME_SUB_GROUP if p.nvme_optimizer else ZERO3_SUB_GROUP
+        part = trainable / n  # this rank's partition of what trains, and of the parameters
         if p.nvme_param:  # ZeRO-Infinity: 16-bit parameters on the disk, read through pinned swap buffers
-            add_part(disk, "weights", (base + c.adapters) * cd)
+            add_part(disk, "weights", (base + c.adapters) * cd / n)
             add_part(cpu, "buffers", NVME_PARAM_BUFFERS * max(NVME_PARAM_BUFFER_SIZE, c.largest_param) * cd)
         else:
-            add_part(cpu, "weights", (base + c.adapters) * cd)
-        add_part(cpu, "gradients", cd * trainable + 4 * min(trainable, sub_group))
+            add_part(cpu, "weights", (base + c.adapters) * cd / n)
+        add_part(cpu, "gradients", cd * part + 4 * min(part, sub_group))
         if p.nvme_optimizer:  # fp32 master, Adam m and v swapped per sub-group through pinned fp32 buffers
-            add_part(disk, "master_weights", 4 * trainable)
-            add_part(disk, "optimizer_states", 8 * trainable)
-            add_part(cpu, "buffers", NVME_OPT_BUFFERS * min(trainable, sub_group) * 4)
+            add_part(disk, "master_weights", 4 * part)
+            add_part(disk, "optimizer_states", 8 * part)
+            add_part(cpu, "buffers", NVME_OPT_BUFFERS * min(part, sub_group) * 4)
         else:
-            add_part(cpu, "master_weights", 4 * trainable)
-            add_part(cpu, "optimizer_states", 8 * trainable)
+            add_part(cpu, "master_weights", 4 * part)
+            add_part(cpu, "optimizer_states", 8 * part)
     elif p.engine == "fsdp":
         # FSDP2 + CPUOffloadPolicy (launcher/engines/fsdp.py): fp32 sharded params, fp32 grads and AdamW on
         # the CPU. Units: input embeddings, each layer, the head (tied embeddings stay in the root with the
@@ -216,9 +233,9 @@ def model_states(p: Profile, run: RunShape, accumulation: int) -> dict:
         largest_trainable_unit = c.adapters_per_layer if lora else max(units)
         add_part(fb, "gradients", largest_trainable_unit * (cd + 4))
         load = 4 * (base + c.adapters)
-        add_part(cpu, "weights", 4 * (base + c.adapters))
-        add_part(cpu, "gradients", 4 * trainable)
-        add_part(cpu, "optimizer_states", 8 * trainable)
+        add_part(cpu, "weights", 4 * (base + c.adapters) / shard_params)
+        add_part(cpu, "gradients", 4 * trainable / shard_grads)
+        add_part(cpu, "optimizer_states", 8 * trainable / shard_opt)
     else:
         raise ValueError(f"no memory model for profile {p.name}")
     return {"gpu_fb": fb, "gpu_step": step, "cpu": cpu, "cpu_load": int(load), "disk": disk}
