@@ -578,6 +578,9 @@ def summary_of(run: Run, eval_loss: float | None) -> dict:
         "reasons": list(spec.reasons), "diagnosis": run.diagnosis, "run_dir": run.rd.path, "sample": None,
         "sample_error": None, "tracker_errors": run.trackers.failures, "threads": run.threads.to_dict(),
         **mon.summary(),
+        # every rank's own high-water mark, for the planner's per-rank numbers (a finished run: all ranks are here)
+        "peak_cpu_rss_hwm_bytes_per_rank": run.ranks.gather(mon.peak_rss_bytes())
+        if run.ranks.world > 1 and run.finished else None,
     }
 
 

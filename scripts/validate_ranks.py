@@ -1,0 +1,94 @@
+"""The planner's per-rank CPU peak against each rank's measured peak, on CPU ranks over gloo (torchrun).
+
+For each engine and number of ranks, a short run of the same small model (45M parameters, so that the model's
+states are larger than the process's own runtime), then each rank's RSS high-water mark (``summary.json``:
+``peak_cpu_rss_hwm_bytes_per_rank``) against the plan's per-rank CPU peak (``plan.json``) and the error of each.
+
+    python scripts/validate_ranks.py --out bench/results/DATE-MACHINE/per-rank [--ranks 1,2,4] [--profiles ...]
+
+Writes ``per_rank.json`` and ``per_rank.md`` (a table) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+PROFILES = ("zero2-fp32", "fsdp-bf16-offload", "zero3-bf16-offload-all")
+MiB = 2**20
+
+
+def make_model(path: str) -> str:
+    """A Llama of 45.4M parameters (a 32000-token vocabulary, 4 layers 512 wide), saved with its weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if not os.path.exists(os.path.join(path, "config.json")):
+        config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+                             num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512,
+                             tie_word_embeddings=False)
+        LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def run(out: str, model: str, profile: str, ranks: int, timeout: float = 900) -> dict:
+    from helpers.procs import torchrun
+
+    name = f"{profile}-{ranks}"
+    args = [f"model.name={model}", f"profile={profile}", "train.max_steps=3", "train.warmup_steps=1",
+            "train.micro_batch_size=1", "train.global_batch_size=4", "data.seq_len=64", "data.num_samples=64",
+            "sample_tokens=0", "device=cpu", f"output_dir={out}", f"run_name={name}", "checkpoint.save=false",
+            "log.memory_interval_s=0"]
+    t = time.perf_counter()
+    r = torchrun(ranks, os.path.join(ROOT, "launcher", "run.py"), *args, timeout=timeout)
+    if r.returncode:
+        return {"profile": profile, "ranks": ranks, "status": "failed", "error": r.stderr[-2000:]}
+    s = json.load(open(os.path.join(out, name, "summary.json")))
+    measured = s.get("peak_cpu_rss_hwm_bytes_per_rank") or [s["peak_cpu_rss_hwm_bytes"]]
+    planned = s["predicted_cpu_bytes"]
+    return {"profile": profile, "ranks": ranks, "status": "ok", "planned_bytes": planned, "measured_bytes": measured,
+            "errors": [planned / m - 1 for m in measured], "wall_s": round(time.perf_counter() - t, 1)}
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| profile | ranks | planned per rank MiB | measured per rank MiB | error (planned / measured - 1) |",
+             "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['profile']} | {r['ranks']} | - | failed | - |")
+            continue
+        lines.append(f"| {r['profile']} | {r['ranks']} | {r['planned_bytes'] / MiB:.0f} | "
+                     + ", ".join(f"{m / MiB:.0f}" for m in r["measured_bytes"]) + " | "
+                     + ", ".join(f"{e:+.1%}" for e in r["errors"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ranks", default="1,2,4")
+    ap.add_argument("--profiles", default=",".join(PROFILES))
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    model = make_model(os.path.join(a.out, "model"))
+    rows = []
+    for profile in a.profiles.split(","):
+        for n in (int(x) for x in a.ranks.split(",")):
+            rows.append(run(a.out, model, profile, n))
+            print(markdown(rows[-1:]).splitlines()[-1], flush=True)
+    with open(os.path.join(a.out, "per_rank.json"), "w") as f:
+        json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "rows": rows}, f, indent=1)
+    with open(os.path.join(a.out, "per_rank.md"), "w") as f:
+        f.write(markdown(rows))
+    print(markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
