@@ -273,3 +273,16 @@ def test_epochs_set_the_steps_and_schedules_come_by_name(tmp_path):
                                                      1e-3 * 3 / 7, 1e-3 * 2 / 7, 1e-3 * 1 / 7])
     const = load_config(None, ["train.lr_schedule=constant", "train.lr=2e-3"]).train
     assert {lr_at(i, const) for i in range(50)} == {2e-3}
+
+
+def test_a_checkpoint_from_before_lora_experts_resumes_with_the_default():
+    """lora.experts decides which weights train, so a checkpoint records it; one made before it was recorded was
+    made with 'auto' and resumes under it, and under nothing else."""
+    from launcher.config.schema import load_config
+    from launcher.training import checkpoint as ckpt
+
+    now = ckpt.fixed_settings(load_config(None, []))
+    old = {k: v for k, v in now.items() if k != "lora.experts"}
+    assert now["lora.experts"] == "auto" and ckpt.diff_settings(old, now) == []
+    off = ckpt.fixed_settings(load_config(None, ["lora.experts=false"]))
+    assert ckpt.diff_settings(old, off) == ["lora.experts: checkpoint has 'auto', now 'false'"]

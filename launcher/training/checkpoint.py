@@ -47,7 +47,10 @@ _CHUNK = 8 * 2**20
 # Settings a checkpoint cannot be resumed across: the shapes of what was saved and what the data is.
 FIXED_SETTINGS = ("model.name", "model.quantize", "lora.r", "lora.alpha", "lora.target_modules", "data.source",
                   "data.format", "data.seq_len", "data.packing", "data.num_samples", "data.vocab_size",
-                  "data.sources", "data.train_on_prompt", "data.chat_template", "train.global_batch_size", "seed")
+                  "data.sources", "data.train_on_prompt", "data.chat_template", "train.global_batch_size", "seed",
+                  "lora.experts")
+# What a setting was before checkpoints recorded it (a checkpoint that lacks the key was made with this value).
+SETTING_DEFAULTS = {"lora.experts": "auto"}
 
 
 def _get(cfg, dotted: str):
@@ -107,6 +110,7 @@ def read_marker(path: str) -> dict:
 
 
 def diff_settings(saved: dict, now: dict) -> list[str]:
+    saved = {**{k: v for k, v in SETTING_DEFAULTS.items() if k not in saved}, **saved}
     return [f"{k}: checkpoint has {saved.get(k)!r}, now {now.get(k)!r}"
             for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
 
