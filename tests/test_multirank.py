@@ -67,3 +67,26 @@ def test_per_rank_cpu_peak_is_planned(tmp_path, ranks):
     single = validate_ranks.run(str(tmp_path), model, "zero2-fp32", 1) if ranks == 2 else None
     if single is not None:  # the partition shows: a rank of two plans and holds less than one rank alone
         assert row["planned_bytes"] < single["planned_bytes"] and max(row["measured_bytes"]) < single["measured_bytes"][0]
+
+
+@pytest.mark.slow
+def test_two_machines_emulated_train_and_resume(tmp_path):
+    """Two torchrun invocations of one rank each meet at a rendezvous, as two machines do: they train 6 steps and
+    resume to 10 on the same curve as one box of two ranks doing the same (train.max_steps shapes the learning
+    rate schedule, so both runs take the same two legs)."""
+    from helpers.procs import torchrun_nodes
+
+    common = [*FAST, "profile=amp-fp32", "train.global_batch_size=4", "train.warmup_steps=2",
+              "train.micro_batch_size=1", f"output_dir={tmp_path}", "device=cpu", "checkpoint.every_steps=3"]
+    script = os.path.join(ROOT, "launcher", "run.py")
+    for steps in (6, 10):
+        runs = torchrun_nodes(2, script, *common, f"train.max_steps={steps}", "run_name=nodes")
+        assert all(r.returncode == 0 for r in runs), "\n".join(r.stderr[-2000:] for r in runs)
+    s = json.load(open(tmp_path / "nodes" / "summary.json"))
+    assert s["world_size"] == 2 and s["resumed_from"].endswith("step-000006") and s["steps"] == 10
+    for steps in (6, 10):
+        r = torchrun(2, *common, f"train.max_steps={steps}", "run_name=one-box")
+        assert r.returncode == 0, r.stderr[-3000:]
+    mx, _ = compare(losses(rows_of(tmp_path / "nodes")), losses(rows_of(tmp_path / "one-box")),
+                    "two emulated machines, resumed, vs one box of two ranks")
+    assert mx < 1e-5

@@ -124,3 +124,23 @@ def metrics_steps(run_dir) -> int:
         return 0
     with open(path) as f:
         return sum(1 for line in f if line.endswith("\n"))
+
+
+def torchrun_nodes(nodes: int, script: str, *args: str, timeout: float = 600) -> list[subprocess.CompletedProcess]:
+    """``nodes`` torchrun invocations of one rank each that meet at a rendezvous on this machine (``--nnodes
+    --node_rank --master_addr``), as machines of one run do; every invocation's exit code and output."""
+    import socket
+    import tempfile
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    folder = tempfile.mkdtemp(prefix="torchrun-nodes-")
+    with contextlib.ExitStack() as stack:
+        runs = []
+        for rank in range(nodes):
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node_rank={rank}",
+                   "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}", script, *args]
+            runs.append((cmd, stack.enter_context(started(cmd, os.path.join(folder, f"node{rank}.log"),
+                                                          env=clean_env({"OMP_NUM_THREADS": "1"}), apart=True))))
+        return [subprocess.CompletedProcess(cmd, p.wait(timeout), p.stdout(), p.stderr()) for cmd, p in runs]
