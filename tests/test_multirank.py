@@ -90,3 +90,29 @@ def test_two_machines_emulated_train_and_resume(tmp_path):
     mx, _ = compare(losses(rows_of(tmp_path / "nodes")), losses(rows_of(tmp_path / "one-box")),
                     "two emulated machines, resumed, vs one box of two ranks")
     assert mx < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("profile,rank", [("amp-fp32", 1), pytest.param("zero2-fp32", 0, marks=needs_deepspeed)])
+def test_an_oom_on_one_rank_steps_every_rank_down(tmp_path, profile, rank):
+    """An OOM injected on one rank of 2 at step 4: that rank records the rung and ends; torchrun (--max-restarts 1)
+    starts both again, and both go on from the step-2 checkpoint at micro-batch 1 (global batch kept), logged
+    once, and the run completes on the curve of a run that never ran out of memory."""
+    from helpers.procs import torchrun as launch
+
+    common = [*FAST, f"profile={profile}", "train.global_batch_size=8", "train.warmup_steps=2", "train.max_steps=8",
+              f"output_dir={tmp_path}", "device=cpu", "checkpoint.every_steps=2", "train.micro_batch_size=2"]
+    script = os.path.join(ROOT, "launcher", "run.py")
+    r = launch(2, script, *common, "run_name=oom", launcher_args=("--max-restarts=1",),
+               env={"VRAMFIT_FAULT_OOM": f"rank={rank},step=4"})
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    s = json.load(open(tmp_path / "oom" / "summary.json"))
+    assert s["status"] == "completed" and s["steps"] == 8 and s["resumed_from"].endswith("step-000002")
+    assert s["micro_batch"] == 1 and s["accumulation"] == 4 and s["world_size"] == 2
+    assert [(f["step"], f["rank"], f["to"]["micro_batch"]) for f in s["fallbacks"]] == [(4, rank, 1)]
+    assert r.stderr.count(f"OOM at step 4 on rank {rank}") == 1 and r.stderr.count(f"OOM ladder: rank {rank}") == 1
+    r = launch(2, script, *common, "run_name=plain")
+    assert r.returncode == 0, r.stderr[-3000:]
+    mx, _ = compare(losses(rows_of(tmp_path / "oom")), losses(rows_of(tmp_path / "plain")),
+                    "stepped down on both ranks vs never out of memory")
+    assert mx < 1e-5

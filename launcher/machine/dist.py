@@ -142,6 +142,20 @@ def ensure_env() -> None:
 
 
 def init(device: torch.device, world: int | None = None) -> None:
-    """Make the default process group when there are several ranks and none exists yet."""
-    if (world or current().world) > 1 and not torch.distributed.is_initialized():
+    """Make the default process group when there are several ranks and none exists yet.
+
+    A restart by torchrun (``--max-restarts``; the OOM ladder on several ranks asks for one) meets in the launcher's
+    store again, where the first start's ranks left their addresses: gloo then connects to a rank that is gone
+    ("Connection refused", the kind of failure of pytorch/pytorch#135712). Each restart meets under a prefix of
+    its own (``TORCHELASTIC_RESTART_COUNT``, the same on every rank of a restart)."""
+    me = current()
+    if (world or me.world) <= 1 or torch.distributed.is_initialized():
+        return
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restart > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        base = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                          is_master=False, use_libuv=True)
+        store = torch.distributed.PrefixStore(f"vramfit/restart-{restart}/", base)
+        torch.distributed.init_process_group(backend(device), store=store, rank=me.rank, world_size=me.world)
+    else:
         torch.distributed.init_process_group(backend(device))

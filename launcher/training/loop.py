@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import math
 import os
 import time
@@ -34,7 +35,7 @@ from launcher.plan.ladder import Move, Rung, next_move
 from launcher.plan.resolve import RunSpec, resolve
 from launcher.precision import weight_dtype
 from launcher.training import checkpoint as ckpt
-from launcher.training import generate, plots, progress
+from launcher.training import generate, plots, progress, rankladder
 from launcher.training.faults import Hooks, StopRequested, diagnose
 from launcher.training.monitor import MemoryMonitor
 from launcher.training.rundir import LOCK, LockHeld, RunDir, RunLock, default_run_name
@@ -103,6 +104,7 @@ class Run:
     peak_rss: int = 0
     elapsed: float = 0.0
     calibration_doubtful: str | None = None  # the speeds that priced the plan were measured on a busy machine
+    oom: dict | None = None  # an OOM on one of several ranks since the checkpoint: the rung all go on with
 
     @property
     def device(self) -> torch.device:
@@ -117,11 +119,18 @@ def train(cfg: Config, hooks: Hooks | None = None, hw: Hardware | None = None) -
     """Run one training job end to end. Returns the summary (also written to summary.json)."""
     try:
         with contextlib.ExitStack() as cleanup:  # the run directory's lock, released however the run ends
-            run = prepare(cfg, hooks or Hooks(), hw, cleanup)
+            run = prepare(cfg, hooks or _hooks(), hw, cleanup)
             fit(run)
             return finish(run)
     finally:
         engines.restore_globals()  # what an engine changed for the whole process, also when it failed to build
+
+
+def _hooks() -> Hooks:
+    """No test hooks but the launcher's test-only OOM (launcher.training.rankladder.FAULT_ENV) where it is set."""
+    hooks = Hooks()
+    hooks.before_step = hooks.before_step or rankladder.fault_from_env()
+    return hooks
 
 
 # ---------------------------------------------------------------------------------------------------- prepare
@@ -151,6 +160,12 @@ def prepare(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.
     if run.resume_from:
         run.spec = _resume_spec(run)
         run.rd.hold()  # nothing is written into the run being continued until its checkpoint has loaded
+    run.oom = rankladder.pending(run.rd.path, ckpt.read_marker(run.resume_from)["step"] if run.resume_from else 0,
+                                 ranks)
+    if run.oom is not None:  # a rank ran out of memory after that checkpoint: every rank goes on one rung down
+        run.spec = run.spec.at(Rung(**run.oom["to"]))
+        logger.info(f"OOM ladder: rank {run.oom['rank']} ran out of memory at step {run.oom['step']}; every rank "
+                    f"goes on from {run.resume_from or 'the start'}: {run.oom['reason']}")
     run.rd.write_text("config.yaml", to_yaml(replace(cfg, run_name=run.run_name, model=replace(
         cfg.model, gradient_checkpointing=run.spec.checkpointing, checkpoint_every=run.spec.checkpoint_every))))
     if run.spec.plan is not None:
@@ -176,6 +191,8 @@ def prepare(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.
                 f"{cfg.train.global_batch_size}")
     if run.resume_from:
         _restore(run)
+    if run.oom is not None:  # the move is the run's, as one made in place is
+        run.st.fallbacks.append({k: run.oom[k] for k in ("from", "to", "reason", "step", "rank")})
     # trackers only once a resume has loaded (a refused one changes nothing in the run directory); one that
     # fails is switched off; closed after the loop, and when the run ends with an exception
     run.trackers = Trackers(cfg.log.report_to, run.rd.path, run.run_name, to_dict(cfg), ranks.is_main,
@@ -359,13 +376,16 @@ def _step(run: Run, lr: float):
         # One process only: with several ranks the others wait in a collective of this step and cannot take
         # part in a move (portable_state and a new engine are collectives too).
         fallback = run.cfg.train.oom_fallback
-        move = next_move(spec.rung, list(spec.usable)) if fallback and ranks.world == 1 else None
+        move = next_move(spec.rung, list(spec.usable)) if fallback else None
         if move is None:
-            if ranks.world > 1 and fallback:
-                logger.info(f"OOM at step {st.step + 1} on rank {ranks.rank}: the OOM ladder runs in single-process "
-                            "runs only; resume from the last checkpoint with a smaller train.micro_batch_size",
-                            extra={"all_ranks": True})
             raise
+        if ranks.world > 1:  # the other ranks wait inside this step's collectives: all start again, one rung down
+            rankladder.record(run.rd.path, st.step + 1, ranks.rank, ranks.world, spec.rung, move)
+            logger.info(f"OOM at step {st.step + 1} on rank {ranks.rank}: {move.reason}; every rank goes on from the "
+                        f"last checkpoint at that rung when the run starts again (torchrun --max-restarts does it; "
+                        f"else the same command with run_name={run.run_name})", extra={"all_ranks": True})
+            logging.shutdown()
+            os._exit(rankladder.EXIT_OOM_RESTART)  # a normal exit would wait on the other ranks' collectives
     return move
 
 
@@ -590,7 +610,9 @@ def prepare_run_dir(cfg: Config, ranks: dist.Dist, cleanup: contextlib.ExitStack
 
     Nothing is overwritten: the directory is locked for this process first (``cleanup`` releases it), then
     the newest checkpoint whose files match its marker is chosen. Refusals leave everything as it was."""
-    run_name = cfg.run_name or ranks.broadcast(default_run_name(cfg.model.name))  # ranks agree on the timestamp
+    # ranks agree on the timestamp; a torchrun restart keeps the first start's
+    run_name = cfg.run_name or ranks.broadcast(rankladder.restart_name(cfg.output_dir, ranks,
+                                                                       default_run_name(cfg.model.name)))
     rd = RunDir(os.path.join(cfg.output_dir, run_name), ranks.is_main)
     problems, resume, damaged = None, None, []
     if ranks.is_main:  # rank 0 decides for all (the lock is one process's); the others hear its answer

@@ -84,7 +84,7 @@ def started(args: list[str], log: str, *, cwd: str | None = None, env: dict | No
 
 
 def torchrun(nproc: int, script: str, *args: str, timeout: float = 600, stop_when=None,
-             log: str | None = None) -> subprocess.CompletedProcess:
+             log: str | None = None, launcher_args: tuple = (), env: dict | None = None) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node=N SCRIPT ARGS`` on a free port, one intra-op thread per rank (N ranks share
     the cores). ``stop_when``: a function that, once true, has every rank sent SIGTERM, as a preemption does.
     Returns the exit code with stdout and stderr; the ranks are killed on the way out whatever happens."""
@@ -96,8 +96,8 @@ def torchrun(nproc: int, script: str, *args: str, timeout: float = 600, stop_whe
         port = s.getsockname()[1]
     log = log or os.path.join(tempfile.mkdtemp(prefix="torchrun-"), "torchrun.log")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}",
-           script, *args]
-    with started(cmd, log, env=clean_env({"OMP_NUM_THREADS": "1"}), apart=True) as p:
+           *launcher_args, script, *args]
+    with started(cmd, log, env=clean_env({"OMP_NUM_THREADS": "1", **(env or {})}), apart=True) as p:
         if stop_when is not None:
             p.wait_until(stop_when, "the step to stop at", timeout_s=timeout, poll_s=0.05)
             p.send_signal(signal.SIGTERM, group=True)
