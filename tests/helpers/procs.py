@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+import psutil
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -77,8 +79,15 @@ def started(args: list[str], log: str, *, cwd: str | None = None, env: dict | No
     try:
         yield Started(popen, log, err_log)
     finally:
+        try:  # every descendant, found before the leader dies: torchrun starts its ranks in sessions of their own
+            tree = psutil.Process(popen.pid).children(recursive=True)
+        except psutil.Error:
+            tree = []
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(popen.pid, signal.SIGKILL)  # the children too (torchrun's ranks), even if the leader has exited
+            os.killpg(popen.pid, signal.SIGKILL)  # the group, even if the leader has exited
+        for child in tree:
+            with contextlib.suppress(psutil.Error):
+                child.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             popen.wait(timeout=60)
 
