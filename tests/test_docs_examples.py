@@ -69,6 +69,7 @@ def test_shape_masks_what_changes_from_run_to_run():
     assert shape("profile  fits") != shape("profile  fits  note")
 
 
+@pytest.mark.slow  # whole runs of the documented commands: in CI's slow set, which runs on every CI run
 @pytest.mark.parametrize("name", ["quickstart-demo", "planner-t4"])
 def test_documented_output_has_todays_shape(name):
     check(name)
