@@ -117,3 +117,33 @@ def test_an_oom_on_one_rank_steps_every_rank_down(tmp_path, profile, rank):
     mx, _ = compare(losses(rows_of(tmp_path / "oom")), losses(rows_of(tmp_path / "plain")),
                     "stepped down on both ranks vs never out of memory")
     assert mx < 1e-5
+
+
+@pytest.mark.slow
+def test_a_checkpoint_moves_between_one_and_two_ranks(tmp_path):
+    """A 2-rank checkpoint resumes on 1 rank and a 1-rank one on 2, from the command line: the global batch is
+    kept (accumulation recomputed), and both curves are the one of a run that stayed on 1 rank (within 1e-5)."""
+    import subprocess
+    import sys
+
+    common = [*FAST, "profile=amp-fp32", "train.global_batch_size=8", "train.warmup_steps=2",
+              "train.micro_batch_size=2", f"output_dir={tmp_path}", "device=cpu", "checkpoint.every_steps=3"]
+    script = os.path.join(ROOT, "launcher", "run.py")
+
+    def leg(ranks, name, steps):
+        args = [*common, f"run_name={name}", f"train.max_steps={steps}"]
+        r = torchrun(ranks, *args) if ranks > 1 else subprocess.run([sys.executable, script, *args],
+                                                                     capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r
+
+    for name, first, second in (("two-then-one", 2, 1), ("one-then-two", 1, 2), ("one", 1, 1)):
+        leg(first, name, 6)
+        r = leg(second, name, 10)
+        if first != second:
+            assert f"written by {first} rank(s); going on with {second}" in r.stderr
+        s = json.load(open(tmp_path / name / "summary.json"))
+        assert s["world_size"] == second and s["accumulation"] * s["micro_batch"] * second == 8 and s["steps"] == 10
+    for name in ("two-then-one", "one-then-two"):
+        mx, _ = compare(losses(rows_of(tmp_path / name)), losses(rows_of(tmp_path / "one")), f"{name} vs one rank")
+        assert mx < 1e-5

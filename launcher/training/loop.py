@@ -268,7 +268,32 @@ def _resume_spec(run: Run) -> RunSpec:
                            "started with (or none), or another run_name"])
     if "files" not in marker:
         logger.info(f"checkpoint {resume_from} was written before checkpoints carried checksums: not verified")
+    saved_world = int(marker.get("world", run.ranks.world))  # older checkpoints resumed on as many ranks
+    if saved_world != run.ranks.world:
+        rung = _rung_on(rung, spec, saved_world, run.ranks.world, resume_from, run.cfg.train.global_batch_size)
     return spec.at(rung)  # continue where the OOM ladder had got to
+
+
+def _rung_on(rung: Rung, spec: RunSpec, saved: int, world: int, resume_from: str, global_batch: int) -> Rung:
+    """The rung a checkpoint written by ``saved`` ranks goes on with on ``world`` ranks: the global batch kept,
+    the micro-batch the largest that divides the new ranks' share up to the one it had, accumulation to match.
+    AMP (DDP) and FSDP2 (torch's distributed checkpoint reshards on load) move; DeepSpeed's ZeRO checkpoint
+    holds one optimizer partition per rank and is refused before anything loads."""
+    if spec.profile.engine == "deepspeed":
+        raise ConfigError([f"checkpoint {resume_from}: written by {saved} ranks, this run has {world}; rule: a "
+                           "DeepSpeed ZeRO checkpoint holds one optimizer partition per rank and resumes on as many "
+                           f"ranks; fix: resume on {saved} ranks (torchrun --nproc_per_node {saved} or deepspeed "
+                           f"--num_gpus {saved}), or train on AMP or FSDP2 to move between sizes (another "
+                           "run_name)"])
+    per_rank = global_batch // world
+    if per_rank * world != global_batch:
+        raise ConfigError([f"checkpoint {resume_from}: train.global_batch_size={global_batch} does not split over "
+                           f"{world} ranks; rule: the global batch is kept on resume, so it must divide by the ranks; "
+                           f"fix: resume on a number of ranks that divides {global_batch}"])
+    micro = max(d for d in range(1, min(rung.micro_batch, per_rank) + 1) if per_rank % d == 0)
+    logger.info(f"checkpoint {resume_from} was written by {saved} rank(s); going on with {world}: micro-batch "
+                f"{micro} x accumulation {per_rank // micro} x {world} = {global_batch} (the global batch kept)")
+    return replace(rung, micro_batch=micro, accumulation=per_rank // micro)
 
 
 def _restore(run: Run) -> None:
@@ -286,7 +311,10 @@ def _restore(run: Run) -> None:
                            "older checkpoint loads)") + "; nothing in the run directory was changed"]) from None
     run.st = State.from_client(client, run.resume_from)
     rng = client["rng"]
-    ckpt.set_rng_state(rng[min(run.ranks.rank, len(rng) - 1)] if isinstance(rng, list) else rng)
+    if not isinstance(rng, list):
+        ckpt.set_rng_state(rng)
+    elif run.ranks.rank < len(rng):  # a rank the checkpoint did not have keeps the seed's stream (more ranks now)
+        ckpt.set_rng_state(rng[run.ranks.rank])
     if run.ranks.is_main:
         for path, _why in run.damaged:  # out of the resume and rotation order, kept for a look
             logger.info(f"damaged checkpoint {path} kept as {ckpt.set_aside(path)}")
@@ -460,7 +488,7 @@ def save_checkpoint(run: Run) -> str:
               "rng": run.ranks.gather(ckpt.rng_state())}
     path = ckpt.save(run.engine, run.rd.checkpoints, st.step, client, ckpt.fixed_settings(run.asked),
                      is_main=run.ranks.is_main, barrier=run.ranks.barrier, keep_last=cfg.checkpoint.keep_last,
-                     extra={"rung": asdict(run.spec.rung)}, during_save=run.hooks.during_save,
+                     extra={"rung": asdict(run.spec.rung), "world": run.ranks.world}, during_save=run.hooks.during_save,
                      predicted_bytes=run.spec.predicted("checkpoint_bytes"),
                      keep=(st.best_checkpoint,) if cfg.checkpoint.keep_best and st.best_checkpoint else ())
     logger.info(f"checkpoint {path}")
