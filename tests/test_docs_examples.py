@@ -76,5 +76,6 @@ def test_documented_output_has_todays_shape(name):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # five whole runs of the walkthrough: by hand (CI's time box)
 def test_the_fine_tuning_walkthrough_has_todays_shape():
     check("fine-tuning")

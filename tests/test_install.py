@@ -166,7 +166,8 @@ def test_local_model_loads_in_bf16_with_fp32_adapters(tiny_model):
     assert all(p.requires_grad for p in adapters.values())
 
 
-@pytest.mark.slow  # a whole LoRA run and export: in CI's slow set
+@pytest.mark.slow
+@pytest.mark.extended  # a whole LoRA run and export without the extras: by hand (CI's time box)
 def test_lora_without_extras_trains_saves_and_exports(tiny_model, tmp_path):
     """engine=auto without DeepSpeed trains on AMP (with activation checkpointing; fp32, which is quick on any CPU:
     the bf16 load is the test above); the adapter in final/ holds the LoRA weights only (save_embedding_layers=False);

