@@ -389,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     except DiskFull as e:  # a write outside the loop (the loop itself ends such a run with a summary)
         print(f"vramfit: {e}; fix: free space there or choose another output_dir", file=sys.stderr)
         return 1
+    finally:
+        dist.shutdown(keep_single=argv_given is not None)  # an in-process caller's group of one serves its next call
 
 
 if __name__ == "__main__":

@@ -131,6 +131,17 @@ def backend(device: torch.device) -> str:
     return "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
 
 
+def shutdown(keep_single: bool = False) -> None:
+    """Destroy the default process group while the interpreter is whole (``keep_single``: not a group of one,
+    which an in-process caller's next run reuses). A gloo group left to the interpreter's
+    teardown can abort the process after a finished run ("terminate called without an active exception",
+    SIGABRT; its worker threads still hold tensors, pytorch/pytorch#179291), which a launcher reports as a failed
+    rank. Local: no collective, so a rank that fails does not wait here on the others."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if not (keep_single and torch.distributed.get_world_size() == 1):
+            torch.distributed.destroy_process_group()
+
+
 def ensure_env() -> None:
     """Single-process defaults, so that an engine that needs a process group works without a launcher."""
     if "MASTER_PORT" not in os.environ:
