@@ -117,22 +117,23 @@ def test_without_step_times_a_cpu_ranks_amp_first_and_a_gpu_deepspeed():
 
 
 def test_a_checkpoint_on_another_number_of_ranks_keeps_the_global_batch_or_is_refused():
-    """The rung a resume goes on with on another number of ranks (launcher.training.loop._rung_on): the global
-    batch kept with the largest micro-batch that divides each rank's share; a ZeRO checkpoint refused (one
-    optimizer partition per rank) with the fix; a global batch the ranks cannot split refused."""
-    from types import SimpleNamespace
-
+    """The rung a resume goes on with on another number of ranks (launcher.plan.resolve.rung_on_ranks): the global
+    batch kept with the largest micro-batch that divides each rank's share; ZeRO moves through DeepSpeed's
+    universal checkpoint, except with the optimizer on NVMe (refused with the fix); a global batch the ranks
+    cannot split refused."""
     from launcher.config.profiles import PROFILES
     from launcher.config.schema import ConfigError
     from launcher.plan.ladder import Rung
-    from launcher.training.loop import _rung_on
+    from launcher.plan.resolve import rung_on_ranks
 
-    amp = SimpleNamespace(profile=PROFILES["amp-fp32"])
+    amp = PROFILES["amp-fp32"]
     rung = Rung(micro_batch=4, accumulation=1, checkpointing=False, profile="amp-fp32")
-    assert _rung_on(rung, amp, 2, 1, "ckpt", 8) == Rung(4, 2, False, "amp-fp32")  # 2 ranks -> 1
-    assert _rung_on(rung, amp, 1, 4, "ckpt", 8) == Rung(2, 1, False, "amp-fp32")  # each rank's share is 2
+    assert rung_on_ranks(rung, amp, 2, 1, "ckpt", 8)[0] == Rung(4, 2, False, "amp-fp32")  # 2 ranks -> 1
+    assert rung_on_ranks(rung, amp, 1, 4, "ckpt", 8)[0] == Rung(2, 1, False, "amp-fp32")  # each rank's share is 2
     with pytest.raises(ConfigError, match="does not split over 3 ranks"):
-        _rung_on(rung, amp, 1, 3, "ckpt", 8)
-    zero = SimpleNamespace(profile=PROFILES["zero2-fp32"])
-    with pytest.raises(ConfigError, match="one optimizer partition per rank.*torchrun --nproc_per_node 2"):
-        _rung_on(Rung(4, 1, False, "zero2-fp32"), zero, 2, 1, "ckpt", 8)
+        rung_on_ranks(rung, amp, 1, 3, "ckpt", 8)
+    zero, note = rung_on_ranks(Rung(4, 1, False, "zero2-fp32"), PROFILES["zero2-fp32"], 2, 1, "ckpt", 8)
+    assert zero == Rung(4, 2, False, "zero2-fp32") and "universal checkpoint" in note, note
+    nvme = PROFILES["zero3-bf16-offload-nvme-opt"]
+    with pytest.raises(ConfigError, match="NVMe swap files.*torchrun --nproc_per_node 2"):
+        rung_on_ranks(Rung(4, 1, False, nvme.name), nvme, 2, 1, "ckpt", 8)

@@ -145,3 +145,55 @@ def test_a_checkpoint_moves_between_one_and_two_ranks(tmp_path):
     for name in ("two-then-one", "one-then-two"):
         mx, _ = compare(losses(rows_of(tmp_path / name)), losses(rows_of(tmp_path / "one")), f"{name} vs one rank")
         assert mx < 1e-5
+
+
+def _files_of(path):
+    return sorted((os.path.relpath(os.path.join(d, f), path), os.path.getsize(os.path.join(d, f)),
+                   os.stat(os.path.join(d, f)).st_mtime_ns) for d, _, fs in os.walk(path) for f in fs)
+
+
+# How far each engine's curve may move across a change of ranks: fp32 sums the ranks' gradients in another
+# order; bf16 rounds the weights it computes with.
+RANKS_TOL = {"zero2-fp32": 1e-5, "zero3-bf16-offload-all": 1e-3, "fsdp-bf16-offload": 1e-3}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("profile", [
+    pytest.param("zero2-fp32", marks=needs_deepspeed),
+    pytest.param("zero3-bf16-offload-all", marks=[needs_deepspeed, pytest.mark.extended]),  # CI's time box
+    "fsdp-bf16-offload"])
+def test_a_sharded_checkpoint_moves_between_one_and_two_ranks(tmp_path, profile):
+    """1 rank -> 2 ranks -> 1 rank on the sharded engines, the resumes from the command line: a 1-rank run
+    (micro-batch 2 x accumulation 2) with a checkpoint every 2 steps is the uninterrupted curve; 2 ranks resume
+    its step-2 checkpoint (accumulation 1), and 1 rank resumes theirs of step 4 (accumulation 2). Both continue that curve within
+    the engine's tolerance; a ZeRO checkpoint is converted to DeepSpeed's universal checkpoint beside it, and
+    the checkpoints read are left as they were."""
+    from helpers import run_cli
+
+    common = [*FAST, f"profile={profile}", "train.global_batch_size=4", "train.max_steps=6", "train.warmup_steps=2",
+              "checkpoint.every_steps=2", "checkpoint.keep_last=5", f"output_dir={tmp_path}", "device=cpu"]
+    _, base = run_inprocess(tmp_path, *common[1:], "train.micro_batch_size=2", "run_name=one")
+    base = {r["step"]: r["loss"] for r in base}
+    first = tmp_path / "one" / "checkpoints" / "step-000002"
+    before = _files_of(first)
+    r = torchrun(2, *common, "train.micro_batch_size=2", "run_name=two", f"checkpoint.resume={first}")
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "written by 1 rank(s); going on with 2: micro-batch 2 x accumulation 1 x 2 = 4" in r.stderr, r.stderr[-3000:]
+    two = json.load(open(tmp_path / "two" / "summary.json"))
+    assert two["world_size"] == 2 and two["resumed_from"] == str(first)
+    rows = rows_of(tmp_path / "two")
+    assert [x["step"] for x in rows] == [3, 4, 5, 6]
+    mx, _ = compare(losses(rows), [base[s] for s in (3, 4, 5, 6)], f"{profile}: 1 rank -> 2 ranks")
+    assert mx < RANKS_TOL[profile]
+    assert _files_of(first) == before  # read, never written (a conversion goes beside it)
+
+    second = tmp_path / "two" / "checkpoints" / "step-000004"
+    c = run_cli("train", *common, "train.micro_batch_size=2", "run_name=back", f"checkpoint.resume={second}")
+    assert c.returncode == 0, (c.stdout + c.stderr)[-3000:]
+    assert "written by 2 rank(s); going on with 1: micro-batch 2 x accumulation 2 x 1 = 4" in c.stderr
+    back = json.load(open(tmp_path / "back" / "summary.json"))
+    assert back["world_size"] == 1 and back["steps"] == 6
+    mx, _ = compare(losses(rows_of(tmp_path / "back")), [base[5], base[6]], f"{profile}: 2 ranks -> 1 rank")
+    assert mx < RANKS_TOL[profile]
+    if profile.startswith("zero"):  # converted once, beside each checkpoint moved
+        assert os.path.isdir(str(first) + ".universal") and os.path.isdir(str(second) + ".universal")

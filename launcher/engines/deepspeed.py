@@ -64,6 +64,7 @@ def optimizer_name(opt) -> str:
 
 class DeepSpeedEngine:
     name = "deepspeed"
+    beside = (".universal",)  # what a resume on another number of ranks makes beside a checkpoint (UNIVERSAL)
     resets_in_place = False  # ZeRO keeps a half-accumulated step in its own buffers: the OOM ladder rebuilds
 
     def __init__(self, model: torch.nn.Module, *, ds_config: dict, param_groups: list[dict], device: torch.device,
@@ -180,10 +181,7 @@ class DeepSpeedEngine:
         """The inverse of :meth:`portable_state` on a fresh engine (the loop has already put the weights in
         the model before ``deepspeed.initialize``, so the 16-bit copies match; here the fp32 master copies
         and Adam's moments are set exactly), and the loss scaler where the replaced engine's stood."""
-        ls = getattr(self.optimizer, "loss_scaler", None)
-        if loss_scale is not None and self.fp16 and getattr(ls, "dynamic", False):
-            ls.cur_scale, ls.cur_iter = float(loss_scale["scale"]), loss_scale["iteration"]
-            ls.last_overflow_iter, ls.cur_hysteresis = loss_scale["last_overflow"], loss_scale["hysteresis_left"]
+        self._set_loss_scale(loss_scale)
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
         moments = any("exp_avg" in v for v in state.values())
@@ -209,12 +207,17 @@ class DeepSpeedEngine:
     def save(self, directory: str, client_state: dict) -> None:
         # Frozen parameters (a LoRA run's base) are left out: the model is rebuilt from the same base before a
         # resume, so the checkpoint holds the adapters, their fp32 master copies and Adam moments only.
-        extra = {"vramfit": client_state}
+        # the loss scaler rides in the client state too: DeepSpeed's universal load (another number of ranks)
+        # restores weights and moments only
+        extra = {"vramfit": client_state, "vramfit_loss_scale": self.loss_scale_state()}
         if self.engine.zero_nvme_offload_optimizer():
             extra["vramfit_nvme"] = _resident_optimizer_state(self.optimizer)
         self.engine.save_checkpoint(directory, tag="ds", client_state=extra, exclude_frozen_parameters=True)
 
     def load(self, directory: str) -> dict:
+        written_by = len(_optimizer_files(directory))
+        if written_by and written_by != self.engine.dp_world_size:
+            return self._load_universal(directory, written_by)
         if self.engine.zero_nvme_offload_optimizer():
             self._check_swapped_state(directory)
             # Adam's state made now, swap-aware, so that DeepSpeed's swapper knows its files: the load below
@@ -234,6 +237,45 @@ class DeepSpeedEngine:
                                    "vramfit, and resuming would train on from freshly initialized states")
             _restore_resident_optimizer_state(self.optimizer, client["vramfit_nvme"])
         return client["vramfit"]
+
+    def _load_universal(self, directory: str, written_by: int) -> dict:
+        """A checkpoint written on another number of ranks: converted by rank 0 into DeepSpeed's universal
+        checkpoint (whole fp32 weights and Adam moments per parameter) beside it, once, then loaded by every rank
+        with the config's ``load_universal_checkpoint`` switched on for this load only."""
+        if self.engine.zero_nvme_offload_optimizer():  # refused before loading (loop's resume rules); a guard
+            raise RuntimeError(f"it was written on {written_by} rank(s) with the optimizer on NVMe, whose states "
+                               "DeepSpeed's universal checkpoint conversion does not read")
+        folder = universal_checkpoint(directory, is_main=torch.distributed.get_rank() == 0)
+        torch.distributed.barrier()
+        config = self.engine._config
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        hyper = [{k: v for k, v in g.items() if k not in ("params", "step")} for g in inner.param_groups]
+        config.load_universal_checkpoint = True
+        try:
+            _path, client = self.engine.load_checkpoint(folder, tag="ds", load_optimizer_states=True,
+                                                        load_lr_scheduler_states=False,
+                                                        load_module_strict=not self._has_frozen())
+        finally:
+            config.load_universal_checkpoint = False
+        if client is None:
+            raise RuntimeError(f"DeepSpeed could not load the universal checkpoint in {folder}")
+        # What DeepSpeed's ZeRO-3 universal load gets wrong (0.19.8, stage3.py
+        # load_hp_checkpoint_state_from_checkpoint_dir_stage3): every parameter group is given the first group's
+        # hyperparameters (the no-weight-decay group would decay), and every sub-group one shared step tensor,
+        # which torch's AdamW then advances once per sub-group and step (Adam's bias correction drifts).
+        for g, h in zip(inner.param_groups, hyper):
+            g.update(h)
+        for st in inner.state.values():
+            if torch.is_tensor(st.get("step")):
+                st["step"] = st["step"].clone()
+        self._set_loss_scale(client.get("vramfit_loss_scale"))
+        return client["vramfit"]
+
+    def _set_loss_scale(self, state: dict | None) -> None:
+        ls = getattr(self.optimizer, "loss_scaler", None)
+        if state is not None and self.fp16 and getattr(ls, "dynamic", False):
+            ls.cur_scale, ls.cur_iter = float(state["scale"]), state["iteration"]
+            ls.last_overflow_iter, ls.cur_hysteresis = state["last_overflow"], state["hysteresis_left"]
 
     def _check_swapped_state(self, directory: str) -> None:
         """With the optimizer on NVMe, a checkpoint's fp32 master and Adam moments are DeepSpeed's swap files,
@@ -264,6 +306,78 @@ class DeepSpeedEngine:
 
     def module(self) -> torch.nn.Module:
         return self.engine.module
+
+
+UNIVERSAL = DeepSpeedEngine.beside[0]  # checkpoints/step-NNNNNN.universal: its DeepSpeed universal checkpoint
+_SOURCE = "source.json"  # in a conversion: the sizes and times of the files it was made from, to tell a stale one
+
+
+def _optimizer_files(directory: str) -> list[str]:
+    """The ZeRO optimizer partitions of a checkpoint written by :meth:`DeepSpeedEngine.save`, one per rank that
+    wrote it (``zero_pp_rank_R_mp_rank_00_optim_states.pt``, with ``bf16_`` before it under ZeRO-1 bf16)."""
+    import glob
+
+    return sorted(glob.glob(os.path.join(directory, "ds", "*zero_pp_rank_*_mp_rank_*_optim_states.pt")))
+
+
+def _source_of(directory: str) -> dict:
+    ds = os.path.join(directory, "ds")
+    return {n: [os.path.getsize(os.path.join(ds, n)), os.stat(os.path.join(ds, n)).st_mtime_ns]
+            for n in sorted(os.listdir(ds))}
+
+
+def universal_checkpoint(directory: str, *, is_main: bool = True) -> str:
+    """The universal checkpoint of the ZeRO checkpoint ``directory``, made by DeepSpeed's own converter
+    (``deepspeed.checkpoint.ds_to_universal``; ZeRO-1/2 and 3) into ``directory + '.universal'``: under a ``.tmp``
+    name, renamed when complete, so a killed conversion leaves nothing that looks finished; the checkpoint
+    itself is only read. Made once and reused while the checkpoint's files are those it was made from. Returns
+    its path on every rank; only ``is_main`` converts."""
+    import argparse
+    import contextlib
+    import io
+    import json
+    import shutil
+
+    out = os.path.normpath(directory) + UNIVERSAL
+    if not is_main:
+        return out
+    source = _source_of(directory)
+    try:
+        with open(os.path.join(out, _SOURCE)) as f:
+            if json.load(f) == source:
+                return out
+    except (OSError, ValueError):
+        pass
+    from deepspeed.checkpoint import ds_to_universal
+
+    tmp = out + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        args = argparse.Namespace(input_folder=os.path.join(directory, "ds"), output_folder=os.path.join(tmp, "ds"),
+                                  num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                  # a plain Hugging Face model records no universal-checkpoint layout (tensor or
+                                  # pipeline parallel): DeepSpeed's default for a missing one is the one that fits
+                                  inject_missing_state=True)
+        printed = io.StringIO()
+        try:  # the converter prints progress (stdout may be --json's) and tqdm bars: kept to show on a failure
+            with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+                ds_to_universal.main(args)
+        except Exception:
+            logger.warning(f"DeepSpeed's universal checkpoint conversion of {directory} failed; it printed:\n"
+                           + printed.getvalue()[-3000:])
+            raise
+        with open(os.path.join(tmp, _SOURCE), "w") as f:
+            json.dump(source, f)
+        if os.path.exists(out):  # a conversion of an earlier checkpoint of the same name
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info(f"converted {directory} to DeepSpeed's universal checkpoint in {out} (for {dist.current().world} "
+                "rank(s); the checkpoint itself is unchanged)")
+    return out
 
 
 def _has_optimizer_state(zero_optimizer) -> bool:

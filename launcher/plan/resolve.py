@@ -55,10 +55,42 @@ class RunSpec:
                        accumulation=rung.accumulation, checkpointing=rung.checkpointing,
                        checkpoint_every=rung.checkpoint_every)
 
+    def moved(self, rung: Rung, saved: int, resume_from: str, global_batch: int) -> tuple[RunSpec, str]:
+        """This run at the rung of a checkpoint written by ``saved`` ranks, on this run's ``world``, and the line
+        that says so. See :func:`rung_on_ranks`."""
+        moved, note = rung_on_ranks(rung, self.at(rung).profile, saved, self.world, resume_from, global_batch)
+        return self.at(moved), note
+
     def predicted(self, key: str):
         """A number of the plan's row for the profile in use (None without a plan)."""
         row = self.plan.get(self.profile.name) if self.plan is not None else None
         return getattr(row, key) if row is not None else None
+
+
+def rung_on_ranks(rung: Rung, profile: Profile, saved: int, world: int, resume_from: str,
+                  global_batch: int) -> tuple[Rung, str]:
+    """The rung a checkpoint written by ``saved`` ranks goes on with on ``world`` ranks, and a line that says so:
+    the global batch kept, the micro-batch the largest that divides each rank's share up to the one it had,
+    accumulation to match. AMP (DDP) moves as it is, FSDP2 through torch's distributed checkpoint (it reshards
+    on load), DeepSpeed ZeRO through its universal checkpoint (launcher.engines.deepspeed.universal_checkpoint);
+    ZeRO with the optimizer on NVMe is refused (its states are per-rank swap files the conversion does not read)."""
+    if profile.nvme_optimizer:
+        raise ConfigError([f"checkpoint {resume_from}: written by {saved} rank(s) with {profile.name}, this run has "
+                           f"{world}; rule: its fp32 weights and Adam moments are each rank's NVMe swap files, which "
+                           "DeepSpeed's universal checkpoint conversion (how ZeRO moves to another number of ranks) "
+                           f"does not read; fix: resume on {saved} rank(s) (torchrun --nproc_per_node {saved} or "
+                           f"deepspeed --num_gpus {saved}), or start another run_name on {world}"])
+    per_rank = global_batch // world
+    if per_rank * world != global_batch:
+        raise ConfigError([f"checkpoint {resume_from}: train.global_batch_size={global_batch} does not split over "
+                           f"{world} ranks; rule: the global batch is kept on resume, so it must divide by the ranks; "
+                           f"fix: resume on a number of ranks that divides {global_batch}"])
+    micro = max(d for d in range(1, min(rung.micro_batch, per_rank) + 1) if per_rank % d == 0)
+    how = {"deepspeed": ", DeepSpeed's universal checkpoint made beside it once (the checkpoint itself unchanged)",
+           "fsdp": ", its shards resharded by torch's distributed checkpoint"}.get(profile.engine, "")
+    return replace(rung, micro_batch=micro, accumulation=per_rank // micro), (
+        f"checkpoint {resume_from} was written by {saved} rank(s); going on with {world}: micro-batch {micro} x "
+        f"accumulation {per_rank // micro} x {world} = {global_batch} (the global batch kept){how}")
 
 
 def resolve(cfg: Config, hw: Hardware, world: int = 1, local_rank: int = 0, machine: Machine | None = None) -> RunSpec:

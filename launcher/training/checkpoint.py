@@ -4,13 +4,14 @@ complete, then renamed; verified before a resume uses them.
 Layout: ``checkpoints/step-000100/`` holds the engine's files and ``vramfit.json`` (the marker, written
 last: step, settings hash, the settings themselves, and every file's size and CRC-32). A directory without
 the marker, or still under its ``.tmp`` name, is never picked for resume. Only the last ``keep_last`` are
-kept. Before a resume, :func:`newest_loadable` checks the newest complete checkpoint's files against its
-marker (a truncated, deleted or changed file is found before any library reads it) and falls back to the
-one before when it is damaged.
+kept, with what an engine made beside one (DeepSpeed's conversion for a resume on another number of ranks,
+``step-000100.universal/``). Before a resume, :func:`newest_loadable` checks the newest complete checkpoint's
+files against its marker (a truncated, deleted or changed file is found before any library reads it) and
+falls back to the one before when it is damaged.
 
 The checksum is zlib's CRC-32, made for finding accidental damage (it is what zip and PNG use): it costs
-one read of each file at save time (the files are then still in the page cache) and at resume, 2.4 GiB/s
-measured on a 2-core AMD EPYC (SHA-256 there: 1.1 GiB/s); a 16 GiB checkpoint adds about 7 s to each.
+one read of each file at save time (the files are then still in the page cache) and at resume; its speed is
+measured by ``scripts/bench_checksum.py`` (bench/results/2026-12-04-cpu-epyc/checksum/).
 """
 
 from __future__ import annotations
@@ -288,6 +289,8 @@ def save(engine, root: str, step: int, client_state: dict, settings: dict, *, is
         for _s, path in complete_checkpoints(root)[:-keep_last]:
             if os.path.normpath(path) not in kept:
                 shutil.rmtree(path, ignore_errors=True)
+                for suffix in getattr(engine, "beside", ()):  # what was made from it (a conversion) goes with it
+                    shutil.rmtree(path + suffix, ignore_errors=True)
         for name in os.listdir(root):  # leftovers of killed writes
             if name.endswith(".tmp"):
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)

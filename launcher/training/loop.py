@@ -270,30 +270,10 @@ def _resume_spec(run: Run) -> RunSpec:
         logger.info(f"checkpoint {resume_from} was written before checkpoints carried checksums: not verified")
     saved_world = int(marker.get("world", run.ranks.world))  # older checkpoints resumed on as many ranks
     if saved_world != run.ranks.world:
-        rung = _rung_on(rung, spec, saved_world, run.ranks.world, resume_from, run.cfg.train.global_batch_size)
+        moved, note = spec.moved(rung, saved_world, resume_from, run.cfg.train.global_batch_size)
+        logger.info(note)
+        return moved
     return spec.at(rung)  # continue where the OOM ladder had got to
-
-
-def _rung_on(rung: Rung, spec: RunSpec, saved: int, world: int, resume_from: str, global_batch: int) -> Rung:
-    """The rung a checkpoint written by ``saved`` ranks goes on with on ``world`` ranks: the global batch kept,
-    the micro-batch the largest that divides the new ranks' share up to the one it had, accumulation to match.
-    AMP (DDP) and FSDP2 (torch's distributed checkpoint reshards on load) move; DeepSpeed's ZeRO checkpoint
-    holds one optimizer partition per rank and is refused before anything loads."""
-    if spec.profile.engine == "deepspeed":
-        raise ConfigError([f"checkpoint {resume_from}: written by {saved} ranks, this run has {world}; rule: a "
-                           "DeepSpeed ZeRO checkpoint holds one optimizer partition per rank and resumes on as many "
-                           f"ranks; fix: resume on {saved} ranks (torchrun --nproc_per_node {saved} or deepspeed "
-                           f"--num_gpus {saved}), or train on AMP or FSDP2 to move between sizes (another "
-                           "run_name)"])
-    per_rank = global_batch // world
-    if per_rank * world != global_batch:
-        raise ConfigError([f"checkpoint {resume_from}: train.global_batch_size={global_batch} does not split over "
-                           f"{world} ranks; rule: the global batch is kept on resume, so it must divide by the ranks; "
-                           f"fix: resume on a number of ranks that divides {global_batch}"])
-    micro = max(d for d in range(1, min(rung.micro_batch, per_rank) + 1) if per_rank % d == 0)
-    logger.info(f"checkpoint {resume_from} was written by {saved} rank(s); going on with {world}: micro-batch "
-                f"{micro} x accumulation {per_rank // micro} x {world} = {global_batch} (the global batch kept)")
-    return replace(rung, micro_batch=micro, accumulation=per_rank // micro)
 
 
 def _restore(run: Run) -> None:
