@@ -4,7 +4,8 @@ For each engine and number of ranks, a short run of the same small model (45M pa
 states are larger than the process's own runtime), then each rank's RSS high-water mark (``summary.json``:
 ``peak_cpu_rss_hwm_bytes_per_rank``) against the plan's per-rank CPU peak (``plan.json``) and the error of each.
 
-    python scripts/validate_ranks.py --out bench/results/DATE-MACHINE/per-rank [--ranks 1,2,4] [--profiles ...]
+    python scripts/validate_ranks.py --out bench/results/DATE-MACHINE/per-rank [--ranks 1,2,4] [--profiles ...] \
+        [--heap-mib 0]   # memory.mmap_threshold_mib for every run (0: glibc's own heap, as before it was set)
 
 Writes ``per_rank.json`` and ``per_rank.md`` (a table) to ``--out``.
 """
@@ -15,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,14 +39,14 @@ def make_model(path: str) -> str:
     return path
 
 
-def run(out: str, model: str, profile: str, ranks: int, timeout: float = 900) -> dict:
+def run(out: str, model: str, profile: str, ranks: int, timeout: float = 900, heap_mib: str | None = None) -> dict:
     from helpers.procs import torchrun
 
     name = f"{profile}-{ranks}"
     args = [f"model.name={model}", f"profile={profile}", "train.max_steps=3", "train.warmup_steps=1",
             "train.micro_batch_size=1", "train.global_batch_size=4", "data.seq_len=64", "data.num_samples=64",
             "sample_tokens=0", "device=cpu", f"output_dir={out}", f"run_name={name}", "checkpoint.save=false",
-            "log.memory_interval_s=0"]
+            "log.memory_interval_s=0", *([f"memory.mmap_threshold_mib={heap_mib}"] if heap_mib is not None else [])]
     t = time.perf_counter()
     r = torchrun(ranks, os.path.join(ROOT, "launcher", "run.py"), *args, timeout=timeout)
     if r.returncode:
@@ -74,16 +76,19 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--ranks", default="1,2,4")
     ap.add_argument("--profiles", default=",".join(PROFILES))
+    ap.add_argument("--heap-mib", default=None,
+                    help="memory.mmap_threshold_mib for the runs (0: glibc's default heap); default: the setting's")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    model = make_model(os.path.join(a.out, "model"))
+    work = tempfile.mkdtemp(prefix="validate-ranks-")  # the model and the run directories: not results
+    model = make_model(os.path.join(work, "model"))
     rows = []
     for profile in a.profiles.split(","):
         for n in (int(x) for x in a.ranks.split(",")):
-            rows.append(run(a.out, model, profile, n))
+            rows.append(run(work, model, profile, n, heap_mib=a.heap_mib))
             print(markdown(rows[-1:]).splitlines()[-1], flush=True)
     with open(os.path.join(a.out, "per_rank.json"), "w") as f:
-        json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "rows": rows}, f, indent=1)
+        json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "mmap_threshold_mib": a.heap_mib or "auto", "rows": rows}, f, indent=1)
     with open(os.path.join(a.out, "per_rank.md"), "w") as f:
         f.write(markdown(rows))
     print(markdown(rows))

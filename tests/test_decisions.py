@@ -137,3 +137,15 @@ def test_a_checkpoint_on_another_number_of_ranks_keeps_the_global_batch_or_is_re
     nvme = PROFILES["zero3-bf16-offload-nvme-opt"]
     with pytest.raises(ConfigError, match="NVMe swap files.*torchrun --nproc_per_node 2"):
         rung_on_ranks(Rung(4, 1, False, nvme.name), nvme, 2, 1, "ckpt", 8)
+
+
+def test_the_heap_gives_freed_memory_back_with_several_ranks(monkeypatch):
+    """memory.mmap_threshold_mib=auto fixes glibc's mmap threshold at 4 MiB with several ranks and leaves glibc's
+    own to one; a number is taken as it is; MALLOC_MMAP_THRESHOLD_ in the environment is the user's and wins."""
+    from launcher.machine import heap
+
+    assert heap.threshold_mib("auto", 1) == 0 and heap.threshold_mib("auto", 2) == 4.0
+    assert heap.threshold_mib(16, 1) == 16.0 and heap.threshold_mib(0, 4) == 0.0
+    assert heap.fix_mmap_threshold(0) == "glibc's default mmap threshold"
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert heap.fix_mmap_threshold(4) == "MALLOC_MMAP_THRESHOLD_=65536 from the environment"

@@ -25,7 +25,7 @@ from launcher.config.schema import Config, ConfigError, to_dict, to_yaml, with_e
 from launcher.data import load_splits, settle_formats
 from launcher.engines.base import StepResult, host_values
 from launcher.log import logger
-from launcher.machine import diskspace, dist, speeds, threads
+from launcher.machine import diskspace, dist, heap, speeds, threads
 from launcher.machine.files import DiskFull, disk_full_message, is_disk_full, read_json
 from launcher.machine.hardware import Hardware, enforce_gpu_budget, probe, with_nvme
 from launcher.model import hfconfig, kernels, lora
@@ -140,6 +140,8 @@ def prepare(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.
     refused resume changes nothing in it."""
     ranks = dist.current()
     log.setup(cfg.log.level, ranks.rank)
+    # before the process group and the engine start their threads (launcher/machine/heap.py)
+    logger.debug(f"heap: {heap.fix_mmap_threshold(heap.threshold_mib(cfg.memory.mmap_threshold_mib, ranks.world))}")
     dist.init(torch.device("cuda" if torch.cuda.is_available() and cfg.device != "cpu" else "cpu"))
     hw = with_nvme(hw or probe(), cfg.memory.nvme_path)  # its free space and speed, for the plan
     th = _threads(cfg, ranks)

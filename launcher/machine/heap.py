@@ -1,0 +1,57 @@
+"""A training process's heap: with several ranks on one host, freed CPU tensors go back to the system.
+
+torch allocates CPU tensors with the C library's allocator. glibc serves a request of at least its mmap
+threshold with pages of its own, given back when freed, and a smaller one from its heaps, which keep what is
+freed for later requests. By default the threshold rises to the size of each large block freed (up to 32
+MiB), and the heap is trimmed only past twice that: once a step's tensors have been freed, anything up to 32
+MiB comes from heaps that keep their freed memory, in as many heaps (arenas) as threads that allocated at once
+(the loop, gloo's and the engines' worker threads). Reuse is what makes the next step's allocations cheap, but
+what a process holds then depends on its history, not on the moment the plan counts. Measured with
+``scripts/validate_ranks.py`` on 2 and 4 CPU ranks (45M-parameter Llama, bench/results/2026-12-04-cpu-epyc/
+per-rank/): FSDP2 and ZeRO-3 offload peaked 17-25% above their plans per rank; with the threshold fixed at 4 MiB
+(per-rank-heap/ there) within 1-15% of them.
+
+``memory.mmap_threshold_mib`` fixes it (glibc's ``mallopt(M_MMAP_THRESHOLD)``, what its
+``MALLOC_MMAP_THRESHOLD_`` variable does before a process starts; fixing it also stops its rise). ``auto``
+fixes it at 4 MiB when several ranks train, where each rank's heap is held once per rank on a host's RAM, and
+leaves glibc's default to a single process: blocks of 4 MiB and more then come from fresh pages at each step,
+which costs time where the CPU computes the step (``scripts/bench_heap.py``, one rank: FSDP2's step 18% and 37%
+longer in two rounds; the other engines' differences were within this 2-core box's noise). 0 leaves glibc's
+default; a ``MALLOC_MMAP_THRESHOLD_`` in the environment is the user's choice and wins. Nothing is done where
+the C library is not glibc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import sys
+
+M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+SEVERAL_RANKS_MIB = 4.0  # memory.mmap_threshold_mib=auto with several ranks
+ENV = "MALLOC_MMAP_THRESHOLD_"
+
+
+def threshold_mib(setting, world: int) -> float:
+    """The threshold ``memory.mmap_threshold_mib`` asks for with ``world`` ranks (0: glibc's default)."""
+    if setting == "auto":
+        return SEVERAL_RANKS_MIB if world > 1 else 0.0
+    return float(setting)
+
+
+def fix_mmap_threshold(mib: float) -> str:
+    """Fix glibc's mmap threshold at ``mib`` MiB for this process (0: leave glibc's); what was done, in words."""
+    if os.environ.get(ENV):
+        return f"{ENV}={os.environ[ENV]} from the environment"
+    if mib <= 0:
+        return "glibc's default mmap threshold"
+    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+        return "the C library's own allocator (not glibc)"
+    try:
+        ok = ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, int(mib * 2**20))
+    except (OSError, AttributeError):
+        ok = 0
+    if not ok:
+        return f"glibc's default mmap threshold (mallopt refused {mib:g} MiB)"
+    return f"CPU blocks of {mib:g} MiB and more go back to the system when freed (memory.mmap_threshold_mib)"
