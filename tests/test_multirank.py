@@ -173,7 +173,8 @@ def test_a_sharded_checkpoint_moves_between_one_and_two_ranks(tmp_path, profile)
     from helpers import run_cli
 
     common = [*FAST, f"profile={profile}", "train.global_batch_size=4", "train.max_steps=6", "train.warmup_steps=2",
-              "checkpoint.every_steps=2", "checkpoint.keep_last=5", f"output_dir={tmp_path}", "device=cpu"]
+              "checkpoint.every_steps=2", "checkpoint.keep_last=5", f"output_dir={tmp_path}", "device=cpu",
+              "train.weight_decay=0.1"]  # two parameter groups (decayed, not), as a real run has
     _, base = run_inprocess(tmp_path, *common[1:], "train.micro_batch_size=2", "run_name=one")
     base = {r["step"]: r["loss"] for r in base}
     first = tmp_path / "one" / "checkpoints" / "step-000002"
