@@ -39,7 +39,7 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("extended"):
             if not item.get_closest_marker("slow"):
                 item.add_marker(pytest.mark.slow)
-            if not item.get_closest_marker("timeout"):  # a first JIT build of async_io alone takes about 5 minutes
+            if not item.get_closest_marker("timeout"):  # a first JIT build of async_io alone takes minutes
                 item.add_marker(pytest.mark.timeout(EXTENDED_TIMEOUT_S))
     if torch.cuda.is_available():
         return

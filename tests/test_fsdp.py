@@ -46,7 +46,7 @@ def runs(tmp_path_factory):
 
 def test_parity_fp32_fsdp_vs_amp(runs):
     """Same seed, data, schedule, micro-batch 2 x accumulation 4: FSDP (fp32 shards, fp32 reduce, CPU fused
-    AdamW) computes what AMP computes, so every step agrees to 1e-4 relative (measured: ~1e-7); the final
+    AdamW) computes what AMP computes, so every step agrees to 1e-4 relative; the final
     weights, gathered from the shards and written with save_pretrained, load as the plain HF model."""
     a, ra = runs("amp-fp32", "profile=amp-fp32")
     f, rf = runs("fsdp-fp32", f"profile={FP32}")
@@ -71,8 +71,8 @@ def test_parity_fp32_fsdp_vs_amp(runs):
 def test_parity_bf16_fsdp_vs_amp(runs):
     """bf16: FSDP's MixedPrecisionPolicy casts whole modules (weights and the residual stream in bf16, like
     DeepSpeed bf16), AMP's autocast casts per op (residual stream fp32). bf16 has 8 bits of mantissa
-    (relative step 2**-8 = 0.4%); the curves drift by less than a few such steps: 1e-2 max, 5e-3 mean
-    (measured over 24 steps: 2e-3 max, 8e-4 mean)."""
+    (relative step 2**-8 = 0.4%); the curves drift by less than a few such steps: 1e-2 max, 5e-3 mean over 24
+    steps (the test prints the measured differences)."""
     _, ra = runs("amp-bf16", "profile=amp-bf16", *BF16)
     f, rf = runs("fsdp-bf16", "profile=fsdp-bf16-offload", *BF16)
     assert f["engine"] == "fsdp" and f["precision"] == "bf16" and f["skipped_steps"] == 0
@@ -86,7 +86,7 @@ def test_parity_bf16_fsdp_vs_amp(runs):
 def test_parity_bf16_fsdp_vs_deepspeed_offload(runs):
     """Both offload paths keep fp32 masters and Adam moments on the CPU and compute in bf16; DeepSpeed's step
     is torch's fused AdamW as DeepSpeed's client optimizer on the CPU masters, FSDP's the same. Same bound as
-    against AMP (measured over 24 steps: 1e-3 max, 2e-4 mean)."""
+    against AMP."""
     d, rd = runs("zero2-bf16-offload", "profile=zero2-bf16-offload-opt", *BF16)
     _, rf = runs("fsdp-bf16", "profile=fsdp-bf16-offload", *BF16)
     assert d["optimizer"] == "torch.optim.AdamW(fused=True)"  # no op to build, as summary.json says
@@ -181,7 +181,7 @@ def oom_in_backward(at_steps):
 def test_oom_in_backward_halves_micro_batch_and_keeps_the_math(runs):
     """The OOM ladder on FSDP: an OOM inside backward halves the micro-batch (2 -> 1, accumulation 2 -> 4);
     the engine drops the half step and puts FSDP back to idle, so the curve is the run that kept micro-batch
-    2 (fp32: 1e-5; measured ~1e-7; without the reset the embeddings stop receiving gradients and the
+    2 (fp32: 1e-5; without the reset the embeddings stop receiving gradients and the
     curves part by ~9%)."""
     _, ref = runs("fsdp-fp32-short", *SHORT)
     s, rows = runs("fsdp-fp32-oom", *SHORT, hooks=oom_in_backward([2]))
@@ -195,7 +195,7 @@ def test_oom_ladder_moves_amp_to_fsdp_with_its_state(runs):
     """AMP at micro-batch 1 with checkpointing has nothing left but more offload: the ladder moves to the FSDP
     profile of the same precision, carrying fp32 weights, Adam moments and step count (portable_state ->
     load_portable_state, sharded on the way in). fp32 AMP and FSDP compute the same (see the parity test),
-    so the curve is the FSDP run's throughout (1e-4; measured ~1e-7)."""
+    so the curve is the FSDP run's throughout (1e-4)."""
     _, ref = runs("fsdp-fp32-short", *SHORT)
     s, rows = runs("amp-to-fsdp", *SHORT, "profile=amp-fp32", "train.micro_batch_size=1",
                    "model.gradient_checkpointing=true", hooks=oom_in_backward([3]))
@@ -210,7 +210,7 @@ def test_oom_ladder_moves_amp_to_fsdp_with_its_state(runs):
 def test_two_ranks_match_one_rank(runs, tmp_path):
     """2 ranks (gloo) x micro-batch 1 x accumulation 2 shard every parameter, gradient and Adam moment in two
     and see half of each global batch: the math is that of 1 rank x micro-batch 2 x accumulation 2, so fp32
-    curves agree to 1e-5 (measured: ~1e-7). Gradient checkpointing is on for the 2 ranks (recompute is
+    curves agree to 1e-5. Gradient checkpointing is on for the 2 ranks (recompute is
     exact in fp32) so that FSDP's unshard during recompute is covered too."""
     one, one_rows = runs("fsdp-fp32-short", *SHORT)
     assert one["accumulation"] == 2

@@ -130,7 +130,7 @@ needs_aio = pytest.mark.skipif(async_io_status() != "usable", reason="DeepSpeed'
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # a fresh environment JIT-builds async_io first: about 5 minutes on 2 cores
+@pytest.mark.extended  # a fresh environment JIT-builds async_io first: minutes on 2 cores
 @needs_deepspeed
 @needs_aio
 def test_nvme_offload_trains_like_zero3_cpu_offload_and_resumes(tmp_path):

@@ -37,7 +37,7 @@ def sigterm_at(step_to_stop):
                                          pytest.param("fsdp-bf16-offload", 1e-6, marks=pytest.mark.slow)])
 def test_sigterm_then_resume_matches_uninterrupted(tmp_path, profile, tol):
     """Stop with SIGTERM after step 6 (between checkpoints), resume, and compare every step's loss with an
-    uninterrupted run: bit-identical in fp32; bf16 allowed 1e-6 relative (measured identical too). NVMe
+    uninterrupted run: bit-identical in fp32; bf16 allowed 1e-6 relative. NVMe
     offload: tests/test_nvme.py."""
     full, rows_full = run_inprocess(tmp_path, f"profile={profile}", "run_name=full", *STEPS)
     part, _ = run_inprocess(tmp_path, f"profile={profile}", "run_name=cut", *STEPS, hooks=sigterm_at(6))

@@ -26,7 +26,7 @@ def test_parity_fp32_deepspeed_vs_amp(tmp_path):
 def test_parity_bf16_deepspeed_vs_amp(tmp_path):
     """bf16: DeepSpeed keeps bf16 weights (fp32 master in the optimizer), AMP keeps fp32 weights and casts
     per op under autocast. Both round activations to bf16 (8 bits of mantissa, relative step 2**-8 = 0.4%);
-    over 24 steps the curves drift apart by a few such steps, so 3% relative is the bound (measured: ~1%)."""
+    over 24 steps the curves drift apart by a few such steps, so 3% relative is the bound."""
     a, ra = run_inprocess(tmp_path, "profile=amp-bf16", "run_name=amp", *ACCUM)
     d, rd = run_inprocess(tmp_path, "profile=zero2-bf16", "run_name=ds", *ACCUM)
     mx, mean = compare(losses(rd), losses(ra), "zero2-bf16 vs amp-bf16")
