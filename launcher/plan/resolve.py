@@ -58,8 +58,9 @@ class RunSpec:
     def moved(self, rung: Rung, saved: int, resume_from: str, global_batch: int) -> tuple[RunSpec, str]:
         """This run at the rung of a checkpoint written by ``saved`` ranks, on this run's ``world``, and the line
         that says so. See :func:`rung_on_ranks`."""
-        moved, note = rung_on_ranks(rung, self.at(rung).profile, saved, self.world, resume_from, global_batch)
-        return self.at(moved), note
+        here = self.at(rung)
+        moved, note = rung_on_ranks(rung, here.profile, saved, self.world, resume_from, global_batch)
+        return here.at(moved), note
 
     def predicted(self, key: str):
         """A number of the plan's row for the profile in use (None without a plan)."""

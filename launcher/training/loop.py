@@ -141,7 +141,8 @@ def prepare(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.
     ranks = dist.current()
     log.setup(cfg.log.level, ranks.rank)
     # before the process group and the engine start their threads (launcher/machine/heap.py)
-    logger.debug(f"heap: {heap.fix_mmap_threshold(heap.threshold_mib(cfg.memory.mmap_threshold_mib, ranks.world))}")
+    heap_done = heap.fix_mmap_threshold(heap.threshold_mib(cfg.memory.mmap_threshold_mib, ranks.world))
+    logger.debug(f"heap: {heap_done}")
     dist.init(torch.device("cuda" if torch.cuda.is_available() and cfg.device != "cpu" else "cpu"))
     hw = with_nvme(hw or probe(), cfg.memory.nvme_path)  # its free space and speed, for the plan
     th = _threads(cfg, ranks)
