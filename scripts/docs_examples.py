@@ -11,6 +11,8 @@ is written as ``~/demo`` and the fresh cache as ``~/.cache/vramfit``, and the bl
 
     python scripts/docs_examples.py --out bench/results/DATE-MACHINE/docs-examples   # every example
     python scripts/docs_examples.py --only planner-t4 --out ...                       # one
+    python scripts/docs_examples.py --only planner-t4 --calibration DIR/calibration.json --out DIR
+                                    # one, priced with the calibration the others were written with
 
 tests/test_docs_examples.py runs the same commands, shortened (:data:`QUICK`), and fails when a line of
 today's output has a shape (numbers, paths and quoted text aside) that the documented block does not show,
@@ -64,6 +66,16 @@ EXAMPLES = {
         Command("vramfit train configs/lora-alpaca.yaml lora.target_modules=q_proj,qkv_proj"),
         Command("vramfit train configs/lora-alpaca.yaml data.source=broken.jsonl"),
         Command("vramfit train configs/lora-alpaca.yaml data.source=examples/data/alpaca.jsonl"),
+    )),
+    "steptime-advice": Example("docs/steptime.md", (Command(
+        "vramfit plan --gpu RTX3090 model.name=examples/configs/qwen2.5-14b lora.r=16 data.seq_len=2048 "
+        "memory.cpu_budget=32 train.micro_batch_size=8", streams="stdout"),)),
+    "steptime-ties": Example("docs/steptime.md", (
+        Command("vramfit plan --gpu RTX3090 model.name=examples/configs/mistral-7b-v0.1 lora.r=16 data.seq_len=2048 "
+                "memory.cpu_budget=32 train.micro_batch_size=8", streams="stdout"),
+        Command("vramfit plan --gpu RTX3090 model.name=examples/configs/mistral-7b-v0.1 lora.r=16 data.seq_len=2048 "
+                "memory.cpu_budget=32",
+                streams="stdout"),
     )),
 }
 
@@ -182,16 +194,26 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", action="append", choices=sorted(EXAMPLES), help="this example only (repeatable)")
     ap.add_argument("--out", required=True, help="folder for the full transcripts (bench/results/DATE-MACHINE/...)")
+    ap.add_argument("--calibration", help="price with this calibration.json (one this script wrote) instead of "
+                    "this machine's, so that one example can be written again beside the others")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    from launcher.machine import speeds
+    if a.calibration:
+        with open(a.calibration) as f:
+            kept = json.load(f)
+        machine = kept["machine"]
+    else:
+        from launcher.machine import speeds
 
-    found = speeds.read()
-    if found.machine is None or found.problem:
-        raise SystemExit(f"no calibration of this machine to use ({found.problem}); run `vramfit doctor --calibrate`")
-    machine = found.machine.to_dict()
-    with open(os.path.join(a.out, "calibration.json"), "w") as f:
-        json.dump({"key": found.key, "created": found.created, "machine": machine}, f, indent=1)
+        found = speeds.read()
+        if found.machine is None or found.problem:
+            raise SystemExit(f"no calibration of this machine to use ({found.problem}); run `vramfit doctor --calibrate`")
+        machine = found.machine.to_dict()
+        kept = {"key": found.key, "created": found.created, "machine": machine}
+    path = os.path.join(a.out, "calibration.json")
+    if not (a.calibration and os.path.exists(path) and os.path.samefile(a.calibration, path)):
+        with open(path, "w") as f:
+            json.dump(kept, f, indent=1)
     for name in a.only or EXAMPLES:
         t = time.perf_counter()
         pairs = transcript(name, machine)
