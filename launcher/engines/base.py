@@ -211,7 +211,9 @@ class LossScaler:
         self.torch.update(self.rule.update(overflow))
 
     def get_scale(self) -> float | None:
-        return self.rule.scale if self.enabled else None
+        """The scale GradScaler multiplies the next loss by (read from it, not from the rule, so that a rule
+        not handed on shows; the fp16 step reads its overflow flag on the host already)."""
+        return float(self.torch.get_scale()) if self.enabled else None
 
     def portable(self) -> dict | None:
         """The rule's state for another engine (the OOM ladder), None when not scaling."""
