@@ -657,6 +657,178 @@ def _checkpoint_with_mode(checkpoint, fmode: _FunctionMode, state: dict, enter, 
         return checkpoint(run, *args, **kwargs)
 
 
+class _Recorder:
+    """What one traced step saves for backward, copies off the device (activation offload) and casts for
+    autocast, by storage, and which part of the model the forward is in (``state``, shared with
+    :func:`_checkpoint_with_mode`).
+
+    Storages are told apart by address (``_cdata``), which a later storage can reuse once one dies (an
+    offloaded activation, a recompute's weight cast): each key is dropped when its storage dies, so a reused
+    address counts again and the totals do not depend on the allocator."""
+
+    def __init__(self, tracker: _Tracker, ignore: set[int]):
+        self.tracker, self.ignore = tracker, ignore
+        self.refs: dict[tuple, weakref.ref] = {}
+        self.cast_keys: set[int] = set()
+        self.cast_bytes = 0
+        self.saved: dict[str, int] = defaultdict(int)
+        self.saved_keys: set[int] = set()
+        self.copied = 0
+        self.copies: dict[int, tuple] = {}  # a tensor saved by several ops is copied once (launcher.model.actoffload)
+        self.state = {"phase": "forward", "region": "other"}
+
+    def _remember(self, keys: set[int], st) -> None:
+        key = st._cdata
+
+        def dead(_ref):
+            self.refs.pop((id(keys), key), None)
+            keys.discard(key)
+
+        self.refs[id(keys), key] = weakref.ref(st, dead)  # one ref per set: a ref replaced would never call back
+        keys.add(key)
+
+    def on_cast(self, t) -> None:
+        st = t.untyped_storage()
+        if st._cdata not in self.cast_keys:
+            self.cast_bytes += st.nbytes()
+            self._remember(self.cast_keys, st)
+        self.tracker.reclassify(t, "autocast_cache")
+
+    def set_region(self, region: str) -> None:
+        self.state["region"] = region
+        self.tracker.category = {"embeddings": "embeddings", "other": "other", "head": "head"}.get(
+            region, "layer" if region.startswith("layer") else region)
+
+    def pack(self, t):
+        st = t.untyped_storage()
+        key = st._cdata
+        if key not in self.ignore and key not in self.cast_keys and key not in self.saved_keys:
+            self._remember(self.saved_keys, st)
+            self.saved[self.state["region"] if self.state["phase"] == "forward" else "backward"] += st.nbytes()
+        return t
+
+    def pack_offload(self, t):
+        self.pack(t)
+        if stays(t):  # parameters, autocast's weight copies and views of either stay (launcher.model.actoffload)
+            return t
+        known = self.copies.get(id(t))
+        if known is not None and known[0]() is t:
+            return known[1]
+        cat, self.tracker.category = self.tracker.category, OFFLOADED
+        try:
+            cpu = torch.empty_like(t)
+            if not t.is_meta:  # a real run (the tests compare): the values go there and back too
+                cpu.copy_(t)
+        finally:
+            self.tracker.category = cat
+        self.copied += t.numel() * t.element_size()
+        self.copies[id(t)] = (weakref.ref(t), cpu)
+        return cpu
+
+    def unpack_offload(self, cpu):
+        if self.tracker.live.get(cpu.untyped_storage()._cdata, [0, None])[1] != OFFLOADED:
+            return cpu  # stayed
+        back = torch.empty_like(cpu)  # the copy back: a new device tensor, of the category current now
+        return back if cpu.is_meta else back.copy_(cpu)
+
+    def offload_hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack_offload, self.unpack_offload)
+
+    def saving(self, offload: bool):
+        """The saved-tensor hooks around the step: each saved tensor counted, and copied off with ``offload``."""
+        return self.offload_hooks() if offload else torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+def _install_hooks(rec: _Recorder, emb: nn.Module, layers: list, params: list, fmode: _FunctionMode):
+    """Hooks that tell the recorder where the forward is and the tracker which backward segment runs, and that put
+    each checkpointed layer's recompute under ``fmode``: (hook handles, layers whose checkpoint function was
+    replaced). Backward segments are marked by the gradient of a forward output arriving: the loss and head first
+    (head_bwd), then the last layer (top_bwd), the middle ones, the first layer (bottom_bwd) and the embeddings
+    (embed_bwd). Activations fall and gradients grow through the layers, so within the layers the peak sits in
+    the top or the bottom layer's segment."""
+    tracker, state = rec.tracker, rec.state
+
+    def segment_hook(name):
+        def hook(_grad):
+            tracker.segment = name
+            if name == "top_bwd":
+                tracker.category = "body_bwd"
+        return hook
+
+    def emb_post(m, a, o):
+        if state["phase"] == "forward":
+            rec.set_region("other")
+            t = _first_tensor(o)
+            if t is not None:
+                t.register_hook(segment_hook("embed_bwd"))
+
+    hooks = [emb.register_forward_pre_hook(lambda m, a: rec.set_region("embeddings") if state["phase"] == "forward"
+                                           else None),
+             emb.register_forward_hook(emb_post)]
+    restore: list[nn.Module] = []
+    for i, layer in enumerate(layers):
+        last = i == len(layers) - 1
+        seg = "top_bwd" if last else ("bottom_bwd" if i == 0 else "middle_bwd")
+
+        def pre(m, a, i=i):
+            if state["phase"] == "forward":
+                rec.set_region(f"layer{i}")
+
+        def post(m, a, o, last=last, seg=seg):
+            if state["phase"] == "forward":
+                rec.set_region("head" if last else "other")
+                t = _first_tensor(o)
+                if t is not None:
+                    t.register_hook(segment_hook(seg))
+
+        hooks.append(layer.register_forward_pre_hook(pre))
+        hooks.append(layer.register_forward_hook(post))
+        ckpt = getattr(layer, "_gradient_checkpointing_func", None)
+        if ckpt is not None and getattr(layer, "gradient_checkpointing", False):
+            layer._gradient_checkpointing_func = functools.partial(_checkpoint_with_mode, ckpt, fmode, state,
+                                                                   functools.partial(rec.set_region, f"layer{i}"))
+            restore.append(layer)
+
+    def on_grad(p):
+        if p.grad is not None:
+            tracker.reclassify(p.grad, "param_grad")
+
+    hooks += [p.register_post_accumulate_grad_hook(on_grad) for p in params if p.requires_grad]
+    return hooks, restore
+
+
+@contextlib.contextmanager
+def _step_globals(tracker: _Tracker):
+    """The two module-level seams a trace fills for its duration: the emulated attention kernel's op list, and
+    the chunked loss's weight-gradient buffer, filed under parameter gradients (launcher.model.loss)."""
+    def grad_buffer(w):
+        cat, tracker.category = tracker.category, "param_grad"
+        try:
+            return torch.zeros_like(w)
+        finally:
+            tracker.category = cat
+
+    _ATTENTION_OPS.append(tracker.op_list)
+    lossmod.GRAD_BUFFER = grad_buffer
+    try:
+        yield
+    finally:
+        lossmod.GRAD_BUFFER = torch.zeros_like
+        _ATTENTION_OPS.pop()
+
+
+def _packed_inputs(input_ids: torch.Tensor) -> dict:
+    """Two packed samples per row: position ids restarting mid-row (so rotary tables per row too); on meta, the
+    block-diagonal mask the packed-sequence probe would make from them (it cannot run on meta)."""
+    b, s = input_ids.shape
+    dev = input_ids.device
+    extra = {"position_ids": torch.cat([torch.arange(s // 2, device=dev),
+                                        torch.arange(s - s // 2, device=dev)]).expand(b, s)}
+    if input_ids.is_meta:
+        extra["attention_mask"] = torch.ones(b, 1, s, s, dtype=torch.bool, device="meta")
+    return extra
+
+
 def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: torch.dtype | None = None,
                  autocast_policy: str = "cuda", attention_kernel: str = "math", target: str = "cuda",
                  real_autocast: bool = False, chunked_loss: bool = False,
@@ -678,169 +850,24 @@ def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: t
     ``parts``: :func:`model_parts` of ``model``, when the caller keeps them (walking a model's modules is
     not free, and a planner traces the same cut model many times).
     """
-    emulate = None if real_autocast else autocast_dtype
     t0 = time.perf_counter()
-    top = base_model(model)
     layers, params, buffers = parts or model_parts(model)
-    emb = top.get_input_embeddings()
-    ignore = {p.untyped_storage()._cdata for p in params}
-    ignore |= {b.untyped_storage()._cdata for b in buffers}
+    ignore = {p.untyped_storage()._cdata for p in params} | {b.untyped_storage()._cdata for b in buffers}
     tracker = _Tracker(ignore)
-    # Storages are told apart by address (``_cdata``), which a later storage can reuse once one dies (an
-    # offloaded activation, a recompute's weight cast): each key is dropped when its storage dies, so a
-    # reused address counts again and the totals do not depend on the allocator.
-    refs: dict[tuple, weakref.ref] = {}
-
-    def remember(keys, st):
-        key = st._cdata
-
-        def dead(_ref):
-            refs.pop((id(keys), key), None)
-            keys.discard(key)
-
-        refs[id(keys), key] = weakref.ref(st, dead)  # one ref per set: a ref replaced would never call back
-        keys.add(key)
-
-    cast_keys: set[int] = set()
-    cast_bytes = [0]
-
-    def on_cast(t):
-        st = t.untyped_storage()
-        if st._cdata not in cast_keys:
-            cast_bytes[0] += st.nbytes()
-            remember(cast_keys, st)
-        tracker.reclassify(t, "autocast_cache")
-
-    fmode = _FunctionMode(emulate, autocast_policy, attention_kernel, target, on_cast)
-    state = {"phase": "forward", "region": "other"}
-    saved: dict[str, int] = defaultdict(int)
-    saved_keys: set[int] = set()
-
-    def set_region(region):
-        state["region"] = region
-        tracker.category = {"embeddings": "embeddings", "other": "other", "head": "head"}.get(
-            region, "layer" if region.startswith("layer") else region)
-
-    def pack(t):
-        st = t.untyped_storage()
-        key = st._cdata
-        if key not in ignore and key not in cast_keys and key not in saved_keys:
-            remember(saved_keys, st)
-            saved[state["region"] if state["phase"] == "forward" else "backward"] += st.nbytes()
-        return t
-
-    copied = [0]
-    copies: dict[int, tuple] = {}  # a tensor saved by several ops is copied once (launcher.model.actoffload)
-
-    def pack_offload(t):
-        pack(t)
-        if stays(t):  # parameters, autocast's weight copies and views of either stay (launcher.model.actoffload)
-            return t
-        known = copies.get(id(t))
-        if known is not None and known[0]() is t:
-            return known[1]
-        cat, tracker.category = tracker.category, OFFLOADED
-        try:
-            cpu = torch.empty_like(t)
-            if not t.is_meta:  # a real run (the tests compare): the values go there and back too
-                cpu.copy_(t)
-        finally:
-            tracker.category = cat
-        copied[0] += t.numel() * t.element_size()
-        copies[id(t)] = (weakref.ref(t), cpu)
-        return cpu
-
-    def unpack_offload(cpu):
-        if tracker.live.get(cpu.untyped_storage()._cdata, [0, None])[1] != OFFLOADED:
-            return cpu  # stayed
-        back = torch.empty_like(cpu)  # the copy back: a new device tensor, of the category current now
-        return back if cpu.is_meta else back.copy_(cpu)
-
-    def offload_hooks():
-        return torch.autograd.graph.saved_tensors_hooks(pack_offload, unpack_offload)
-
+    rec = _Recorder(tracker, ignore)
+    fmode = _FunctionMode(None if real_autocast else autocast_dtype, autocast_policy, attention_kernel, target,
+                          rec.on_cast)
     checkpointed = any(getattr(layer, "gradient_checkpointing", False) for layer in layers)
-    if offload_activations and checkpointed:
-        state["offload_hooks"] = offload_hooks
-
-    hooks = []
-    restore: list[nn.Module] = []
-    # Segments of the backward, each marked by the gradient of a forward output arriving: the loss
-    # and head first (head_bwd), then the last layer (top_bwd), the middle ones, the first layer
-    # (bottom_bwd) and the embeddings (embed_bwd). Activations fall and gradients grow through the
-    # layers, so within the layers the peak sits in the top or the bottom layer's segment.
-    def segment_hook(name):
-        def hook(_grad):
-            tracker.segment = name
-            if name == "top_bwd":
-                tracker.category = "body_bwd"
-        return hook
-
-    def emb_post(m, a, o):
-        if state["phase"] == "forward":
-            set_region("other")
-            t = _first_tensor(o)
-            if t is not None:
-                t.register_hook(segment_hook("embed_bwd"))
-
-    hooks.append(emb.register_forward_pre_hook(lambda m, a: set_region("embeddings") if state["phase"] == "forward" else None))
-    hooks.append(emb.register_forward_hook(emb_post))
-
-    for i, layer in enumerate(layers):
-        last = i == len(layers) - 1
-        seg = "top_bwd" if last else ("bottom_bwd" if i == 0 else "middle_bwd")
-
-        def pre(m, a, i=i):
-            if state["phase"] == "forward":
-                set_region(f"layer{i}")
-
-        def post(m, a, o, last=last, seg=seg):
-            if state["phase"] == "forward":
-                set_region("head" if last else "other")
-                t = _first_tensor(o)
-                if t is not None:
-                    t.register_hook(segment_hook(seg))
-
-        hooks.append(layer.register_forward_pre_hook(pre))
-        hooks.append(layer.register_forward_hook(post))
-        ckpt = getattr(layer, "_gradient_checkpointing_func", None)
-        if ckpt is not None and getattr(layer, "gradient_checkpointing", False):
-            layer._gradient_checkpointing_func = functools.partial(_checkpoint_with_mode, ckpt, fmode, state,
-                                                                   functools.partial(set_region, f"layer{i}"))
-            restore.append(layer)
-
-    def on_grad(p):
-        if p.grad is not None:
-            tracker.reclassify(p.grad, "param_grad")
-
-    for p in params:
-        if p.requires_grad:
-            hooks.append(p.register_post_accumulate_grad_hook(on_grad))
-
-    _ATTENTION_OPS.append(tracker.op_list)
-    def grad_buffer(w):
-        cat, tracker.category = tracker.category, "param_grad"
-        try:
-            return torch.zeros_like(w)
-        finally:
-            tracker.category = cat
-
-    lossmod.GRAD_BUFFER = grad_buffer
+    if offload_activations and checkpointed:  # around each checkpointed layer, as transformers' offload=True does
+        rec.state["offload_hooks"] = rec.offload_hooks
+    hooks, restore = _install_hooks(rec, base_model(model).get_input_embeddings(), layers, params, fmode)
     try:
-        whole = offload_activations and not checkpointed  # save_on_cpu around the forward (engines.base)
-        hooks_ctx = offload_hooks() if whole else torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        with _no_packed_sequence_probe(), _no_padding_probe(), _grouped_experts_on_meta(), peft_on_meta(), tracker, \
-                hooks_ctx:
+        # without checkpointing, save_on_cpu goes around the whole forward (launcher.engines.base)
+        with _step_globals(tracker), _no_packed_sequence_probe(), _no_padding_probe(), _grouped_experts_on_meta(), \
+                peft_on_meta(), tracker, rec.saving(offload_activations and not checkpointed):
             autocast = (torch.autocast(autocast_policy, dtype=autocast_dtype) if real_autocast and autocast_dtype
                         else contextlib.nullcontext())
-            extra = {}
-            if packed:
-                b, s = input_ids.shape  # two samples per row: positions per row, so rotary tables per row too
-                dev = input_ids.device
-                extra["position_ids"] = torch.cat([torch.arange(s // 2, device=dev),
-                                                   torch.arange(s - s // 2, device=dev)]).expand(b, s)
-                if input_ids.is_meta:  # the packed-sequence probe cannot run on meta: the mask it would make
-                    extra["attention_mask"] = torch.ones(b, 1, s, s, dtype=torch.bool, device="meta")
+            extra = _packed_inputs(input_ids) if packed else {}  # made inside the measured region, as a run's are
             with fmode, autocast:
                 loss = causal_lm_loss(model, {"input_ids": input_ids, "labels": input_ids, "use_cache": False, **extra},
                                       chunked=chunked_loss, autocast_dtype=autocast_dtype)
@@ -848,28 +875,25 @@ def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: t
             # The mode is left before backward (a mode is switched off while it handles a call, so a
             # backward it intercepted would recompute checkpointed layers without it); the layer hooks
             # re-enter it for each recomputed layer.
-            state["phase"] = "backward"
+            rec.state["phase"] = "backward"
             fmode.clear_cache()
             fmode.enabled = False
             tracker.category = tracker.segment = "head_bwd"
             loss.backward()
             del loss
     finally:
-        lossmod.GRAD_BUFFER = torch.zeros_like
-        _ATTENTION_OPS.pop()
         for h in hooks:
             h.remove()
         for layer in restore:
             layer._gradient_checkpointing_func = layer._gradient_checkpointing_func.args[0]
     grads = {p.grad.untyped_storage()._cdata: p.grad.untyped_storage().nbytes()
              for p in params if p.grad is not None}
-    autocast_cache = cast_bytes[0]
     segments = {k: {"peak": v[0], "parts": v[1], "peak_with_grads": v[2], "parts_with_grads": v[3]}
                 for k, v in tracker.segments.items()}
-    return StepTrace(saved=dict(saved), autocast_cache=autocast_cache, segments=segments,
+    return StepTrace(saved=dict(rec.saved), autocast_cache=rec.cast_bytes, segments=segments,
                      param_grads=sum(grads.values()), seconds=time.perf_counter() - t0,
                      ops=dict(Counter(tracker.op_list)), op_list=tracker.op_list, offloaded=tracker.offloaded_peak,
-                     offload_copied=copied[0])
+                     offload_copied=rec.copied)
 
 
 # ------------------------------------------------------------------------------------------------
