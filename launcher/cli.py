@@ -138,7 +138,7 @@ def cmd_plan(args) -> int:
 def _plan(args) -> int:
     from launcher.config.schema import load_config
     from launcher.log import logger
-    from launcher.machine import diskspace, speeds
+    from launcher.machine import diskspace, recheck, speeds
     from launcher.machine.hardware import probe, with_nvme
     from launcher.measure import calibrate
     from launcher.plan import advice, compare, gpus, planner, report
@@ -168,14 +168,20 @@ def _plan(args) -> int:
     hw = with_nvme(probe(), cfg.memory.nvme_path)
     world = dist.current().world
     if args.compare_gpus:
-        rows = compare.compare(cfg, hw, calibrate.load_or_calibrate(), prices, world=world,
+        host = recheck.checked(calibrate.load_or_calibrate())
+        if host.doubtful:  # the table has no header: the host's share of every row is priced with these speeds
+            logger.warning(f"DOUBTFUL calibration: {host.doubtful}; fix: `vramfit doctor --calibrate` when the machine "
+                           "is idle")
+        if host.busy_now:
+            logger.warning(f"BUSY NOW: {host.busy_now}")
+        rows = compare.compare(cfg, hw, host, prices, world=world,
                                counts=counts if several else None, nodes=args.nodes, network_gbps=network)
         print(json.dumps({"gpus": [r.to_dict() for r in rows], "max_steps": cfg.train.max_steps}, indent=2)
               if args.json else compare.table(rows, cfg.train.max_steps), file=out)
         return 0 if any(r.fits for r in rows) else 2
     host, nodes, links = None, 1, None
     if spec is not None:  # plan for a card that is not here: its data sheet, this machine as its host
-        host = calibrate.load_or_calibrate()
+        host = recheck.checked(calibrate.load_or_calibrate())
         machine = gpus.machine(spec, host)
         hw = gpus.hardware(spec, hw)
         if several:
@@ -184,6 +190,7 @@ def _plan(args) -> int:
         machine, why = speeds.cached()
         if why:
             logger.warning(why)
+        machine = recheck.checked(machine)
     plan = planner.plan(cfg, hw, world=world, machine=machine, nodes=nodes, links=links)
     plan = advice.add_suggestions(plan, cfg, hw, world=world, machine=machine, card=spec, host=host,
                                   when_fits=args.alternatives, nodes=nodes, links=links)

@@ -395,3 +395,113 @@ def test_a_run_priced_by_a_doubtful_calibration_says_so_in_its_summary(tmp_path,
     summary, _ = run_inprocess(tmp_path, "train.max_steps=2", "train.warmup_steps=1", "checkpoint.save=false")
     assert summary["calibration_doubtful"] == "other processes kept 1.9 of 2 cores busy"
     assert "the calibration that prices this plan is doubtful" in capfd.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------
+# The plan-time check that a cached calibration still describes this machine (launcher.machine.recheck)
+
+
+@pytest.fixture
+def any_probe_size(monkeypatch):
+    """Every calibrated probe is timed again, however long it took (a loaded test machine stretches them)."""
+    from launcher.machine import recheck
+
+    monkeypatch.setattr(recheck, "MIN_CALL_S", 0.0)
+    monkeypatch.setattr(recheck, "MAX_CALL_S", 60.0)
+
+
+def _calibrated(mm_s: float, add_s: float) -> Machine:
+    """fake_machine() at this process's threads whose calibration timed a 256 x 256 fp32 matmul in ``mm_s`` and
+    the elementwise add over three 1 MiB tensors in ``add_s``."""
+    samples = {"matmul": {"float32@cpu": {"sizes": [{"n": 256, "best_s": mm_s}]}},
+               "memory": {"cpu": {"bytes": 3 * 1024 * 1024, "best_s": add_s}}}
+    return dataclasses.replace(fake_machine(), threads=torch.get_num_threads(), measured={"samples": samples})
+
+
+# A calibration made on a machine far busier than any this runs on (0.75 GFLOP/s, 70 MB/s: both probes are over
+# 2x faster now even under heavy contention, inside the check's window of 1-50 ms), and one of a machine far faster.
+SLOW, FAST = (0.045, 0.045), (1e-7, 1e-7)
+
+
+def _now() -> Machine:
+    """A calibration whose samples are this machine's probes timed now."""
+    from launcher.machine import recheck
+
+    a = torch.randn(256, 256)
+    x, y, z = (torch.rand(1024 * 1024 // 4) for _ in range(3))
+    return _calibrated(recheck._fastest(lambda: torch.mm(a, a)), recheck._fastest(lambda: torch.add(x, y, out=z)))
+
+
+def test_the_recheck_rule():
+    from launcher.machine.recheck import judge
+
+    assert judge({"mm": 1.3, "add": 0.7}, 0.1) == (None, None)  # the machine's own two speeds: no verdict
+    assert judge({"mm": 3.0, "add": 2.5}, 0.0)[0] == "calibrated_busy"
+    assert judge({"mm": 3.0, "add": 1.1}, 0.0)[0] is None  # one noisy kernel is not enough
+    assert judge({"mm": 0.3, "add": 0.4}, 0.0)[0] == "busy_now"
+    assert judge({"mm": 1.0, "add": 1.0}, 1.2)[0] == "busy_now"  # neighbours busy now, whatever the probes say
+    assert judge({"add": 5.0}, 0.0)[0] is None  # one probe only (a calibration whose matmuls were all tiny)
+
+
+@pytest.mark.parametrize("times,verdict", [(SLOW, "calibrated_busy"), (FAST, "busy_now")])
+def test_a_calibration_far_off_is_called_out_by_the_plan(monkeypatch, any_probe_size, times, verdict):
+    """Probes timed now against a calibration that read them far slower (it was made on a busy machine: its step
+    times are too slow) or far faster (the machine is busy now): the plan's table says which."""
+    from launcher.config.schema import load_config
+    from launcher.machine import recheck
+    from launcher.machine.hardware import probe
+    from launcher.plan import planner, report
+
+    monkeypatch.setenv(recheck.ENV, "on")
+    found = recheck.recheck(_calibrated(*times))
+    assert found.verdict == verdict, found
+    machine = recheck.checked(_calibrated(*times))
+    header = report.format_table(planner.plan(load_config(None, ["device=cpu"]), probe(), machine=machine)).splitlines()[2]
+    if verdict == "calibrated_busy":
+        assert machine.doubtful and "-- DOUBTFUL calibration: this machine runs its calibration's probes faster" in header
+    else:
+        assert machine.busy_now and "-- BUSY NOW: other processes keep" in header
+    monkeypatch.setenv(recheck.ENV, "off")
+    m = _calibrated(*times)
+    assert recheck.checked(m) is m  # off: nothing checked
+
+
+def test_a_busy_neighbour_now_is_called_out_even_when_the_probes_hold(monkeypatch, any_probe_size):
+    from launcher.machine import recheck
+
+    monkeypatch.setenv(recheck.ENV, "on")
+    m = _now()
+    busy = _busy(2)
+    try:
+        found = recheck.recheck(m)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert found.verdict == "busy_now" and found.others_busy_cores > recheck.BUSY_CORES, found
+    assert f"other processes keep {found.others_busy_cores:.1f} cores busy now" in found.message
+
+
+def test_vramfit_plan_checks_the_calibration_it_prices_with(tmp_path, monkeypatch):
+    """From the command line: a cached calibration that read this machine far slower than it runs now (made while
+    it was busy) is called out in the plan's header; a training start logs the same."""
+    import os
+
+    from helpers import run_cli, run_inprocess
+    from launcher.machine import recheck
+
+    cache = str(tmp_path / "cache")
+    monkeypatch.setenv("VRAMFIT_CACHE", cache)
+    slow = _calibrated(*SLOW)
+    for n in range(1, (os.cpu_count() or 1) + 1):  # at the thread count the command will take
+        monkeypatch.setattr(torch, "get_num_threads", lambda n=n: n)
+        speeds.write(dataclasses.replace(slow, threads=n), cache)
+    monkeypatch.undo()
+    r = run_cli("plan", "device=cpu", env={**os.environ, "VRAMFIT_CACHE": cache, recheck.ENV: "on"})
+    assert r.returncode == 0, r.stderr
+    assert "-- DOUBTFUL calibration: this machine runs its calibration's probes faster now" in r.stdout.splitlines()[2], r.stdout
+    monkeypatch.setenv("VRAMFIT_CACHE", cache)
+    monkeypatch.setenv(recheck.ENV, "on")
+    summary, _ = run_inprocess(tmp_path, "device=cpu", "train.max_steps=1", "train.warmup_steps=1", "checkpoint.save=false",
+                               "train.threads=" + str(torch.get_num_threads()))
+    assert "probes faster now" in (summary["calibration_doubtful"] or ""), summary["calibration_doubtful"]

@@ -88,6 +88,12 @@ class Machine:
         """Why these speeds are not this machine's when idle (measured while it was busy), None when they are."""
         return self.measured.get("doubtful")
 
+    @property
+    def busy_now(self) -> str | None:
+        """Why a run now will be slower than these speeds price it (other processes busy at the plan's check,
+        :mod:`launcher.machine.recheck`), None when nothing said so."""
+        return self.measured.get("busy_now")
+
     @classmethod
     def from_dict(cls, d: dict) -> Machine:
         d = dict(d)

@@ -357,6 +357,9 @@ def machine(spec: GPUSpec, host: Machine) -> Machine:
                    host=host.host, h2d_bytes_per_s=dict(link), d2h_bytes_per_s=dict(link), optimizers=optimizers,
                    engines=engines, disk_write_bytes_per_s=host.disk_write_bytes_per_s,
                    threads=host.threads, measured={"gpu": spec.name, "host": host.name,
+                                                   # the host's share of each step is priced with its speeds
+                                                   **{k: f"the host's calibration: {host.measured[k]}"
+                                                      for k in ("doubtful", "busy_now") if host.measured.get(k)},
                                                    "unconfirmed": list(spec.unconfirmed),
                                                    "on_paper": ["every device rate (data sheet peaks)",
                                                                 "host-device copies (PCIe theoretical)"]

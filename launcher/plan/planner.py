@@ -524,9 +524,7 @@ def plan(cfg: Config, hw: Hardware, profiles: list[str] | None = None, *, world:
                        "cpu_source": sources["cpu"]},
                model=_model_summary(cfg, run), settings=_settings(cfg, run, avail.precision_reason),
                assumptions=_assumptions(run, machine), activations=_activation_summary(run, rows, avail, exact_rows),
-               machine=(machine.name + (f" -- DOUBTFUL calibration: {machine.doubtful}; step times are a busy machine's "
-                                       "(`vramfit doctor --calibrate` when idle)" if machine.doubtful else ""))
-               if machine is not None else None,
+               machine=_machine_line(machine) if machine is not None else None,
                candidates=[{"profile": c.profile, "setting": c.setting, "micro_batch": c.micro_batch,
                             "checkpointing": c.checkpointing, "checkpoint_every": c.checkpoint_every,
                             "step_s": c.step_s, "tokens_per_s": c.tokens_per_s} for c in every])
@@ -744,6 +742,17 @@ def _settle_chosen(searched: list, avail: Availability, run: RunShape, gpu_budge
 
 def _nth(k: int) -> str:
     return {2: "2nd", 3: "3rd"}.get(k, f"{k}th")
+
+
+def _machine_line(machine) -> str:
+    """The machine that priced the plan, and what the plan's step times are worth when its speeds are in doubt."""
+    line = machine.name
+    if machine.doubtful:
+        line += (f" -- DOUBTFUL calibration: {machine.doubtful}; step times are a busy machine's "
+                 "(`vramfit doctor --calibrate` when idle)")
+    if machine.busy_now:
+        line += f" -- BUSY NOW: {machine.busy_now}"
+    return line
 
 
 def _reason(chosen, pool, rows, cfg, gpu_budget, cpu_budget, run) -> str:

@@ -25,7 +25,7 @@ from launcher.config.schema import Config, ConfigError, to_dict, to_yaml, with_e
 from launcher.data import load_splits, settle_formats
 from launcher.engines.base import StepResult, host_values
 from launcher.log import logger
-from launcher.machine import diskspace, dist, heap, speeds, threads
+from launcher.machine import diskspace, dist, heap, recheck, speeds, threads
 from launcher.machine.files import DiskFull, disk_full_message, is_disk_full, read_json
 from launcher.machine.hardware import Hardware, enforce_gpu_budget, probe, with_nvme
 from launcher.model import hfconfig, kernels, lora
@@ -228,9 +228,13 @@ def _decide(cfg: Config, hw: Hardware, ranks: dist.Dist) -> tuple[object, Config
     machine, why = speeds.cached()
     if why:
         logger.warning(why)
+    if ranks.world == 1:  # well under a second, where a calibration prices the plan (other ranks would be "busy")
+        machine = recheck.checked(machine)
     if machine is not None and machine.doubtful:
         logger.warning(f"the calibration that prices this plan is doubtful: {machine.doubtful}; its step times are a "
                        "busy machine's; fix: `vramfit doctor --calibrate` when the machine is idle")
+    if machine is not None and machine.busy_now:
+        logger.warning(f"the machine is busy: {machine.busy_now}")
     spec = resolve(cfg, hw, ranks.world, ranks.local_rank, machine=machine)
     for r in spec.reasons:
         logger.info(r)
