@@ -461,6 +461,8 @@ def test_a_calibration_far_off_is_called_out_by_the_plan(monkeypatch, any_probe_
         assert machine.doubtful and "-- DOUBTFUL calibration: this machine runs its calibration's probes faster" in header
     else:
         assert machine.busy_now and "-- BUSY NOW: other processes keep" in header
+    scaled = dataclasses.replace(machine, measured={**machine.measured, "threads_scaled": {"measured": 4, "used": 2}})
+    assert recheck.recheck(scaled) is None  # its samples were timed at other threads: nothing to compare
     monkeypatch.setenv(recheck.ENV, "off")
     m = _calibrated(*times)
     assert recheck.checked(m) is m  # off: nothing checked

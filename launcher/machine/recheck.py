@@ -98,7 +98,8 @@ def recheck(machine: Machine | None) -> Recheck | None:
     """Time the probes again (well under a second) and judge; None when there is nothing to compare: no
     calibration, one without samples (a card on paper), one measured at another thread count (its rates are
     scaled from another, see :func:`launcher.machine.speeds.read`), or ``VRAMFIT_RECHECK=off``."""
-    if machine is None or machine.threads != torch.get_num_threads() or os.environ.get(ENV, "on") == "off":
+    if (machine is None or machine.threads != torch.get_num_threads() or "threads_scaled" in machine.measured
+            or os.environ.get(ENV, "on") == "off"):
         return None
     probes = _probes(machine)
     if not probes:
