@@ -118,6 +118,29 @@ def test_lora_on_a_moe_adapts_its_experts_and_the_merged_model_reloads_and_gener
     assert load_config(None, ["lora.experts=false"]).lora.experts == "false"
 
 
+@pytest.mark.parametrize("family", list(ZOO))  # about a second each
+def test_every_family_takes_lora_on_all_linear_layers_and_its_merged_export_reloads_and_generates(tmp_path, family):
+    """LoRA with the default targets (all linear layers, a MoE's experts too) trains, the adapter merges into the
+    base (vramfit export --merge), and the merged folder loads with transformers alone and generates; the merged
+    weights moved from the base's where adapters were (every adapted module's weight)."""
+    from transformers import AutoModelForCausalLM
+
+    from launcher.model.export import export
+
+    s = train_family(tmp_path, family, "profile=amp-fp32", "lora.r=4", "train.lr=1e-2")
+    assert s["status"] == "completed" and math.isfinite(s["final_loss"]), s
+    merged = str(tmp_path / "merged")
+    export(s["run_dir"], merged, merge=True)
+    model = AutoModelForCausalLM.from_pretrained(merged)
+    base = AutoModelForCausalLM.from_pretrained(str(tmp_path / family))
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, base.get_parameter(n))}
+    assert moved and all("norm" not in n and "embed" not in n for n in moved), sorted(moved)
+    if family in MOE:
+        assert any("experts" in n for n in moved), sorted(moved)
+    out = model.generate(torch.tensor([[1, 5, 7]]), max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 7)
+
+
 def test_lora_experts_false_leaves_them_out_and_true_on_a_dense_model_is_refused(tmp_path):
     from launcher.config.schema import ConfigError, load_config
 
