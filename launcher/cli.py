@@ -370,6 +370,16 @@ def _planning_process() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line (``argv``: the arguments after the program's name; None: ``sys.argv``). A process started
+    as one rank of several (``vramfit``, ``python -m launcher`` under a launcher) ends here, past the interpreter's
+    teardown (:func:`launcher.machine.dist.leave`); ``launcher/run.py`` does the same."""
+    code = _main(argv)
+    if argv is None and dist.current().world > 1:
+        dist.leave(code)
+    return code
+
+
+def _main(argv: list[str] | None = None) -> int:
     import warnings
 
     # transformers' deprecation notices about its own internals say nothing a user can act on

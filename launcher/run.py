@@ -18,4 +18,9 @@ def run() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run())
+    code = run()
+    from launcher.machine import dist
+
+    if dist.current().world > 1:
+        dist.leave(code)  # without the interpreter's teardown, which a gloo group can abort (dist.leave)
+    sys.exit(code)
