@@ -151,8 +151,8 @@ def leave(code: int) -> NoReturn:
     """End a launched rank of several: exit handlers run and output is flushed, then the process ends without the
     interpreter's own teardown. A gloo group still referenced somewhere (destroy_process_group drops only the
     registry's reference) is otherwise destroyed during that teardown, where its worker threads can abort the
-    process (SIGABRT after a finished run, 1 two-rank run in about 30 here even with the group destroyed), which the
-    launcher reports as a failed rank and turns into a failed job."""
+    process (SIGABRT after a finished run, seen in one of three runs of the slow tests even with the group
+    destroyed), which the launcher reports as a failed rank and turns into a failed job."""
     atexit._run_exitfuncs()  # swap folders, multiprocessing's finalizers, logging's flush: what sys.exit would run
     for stream in (sys.stdout, sys.stderr):
         try:
