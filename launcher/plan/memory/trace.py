@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import time
 import weakref
 from collections import Counter, defaultdict
@@ -861,6 +862,12 @@ def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: t
     if offload_activations and checkpointed:  # around each checkpointed layer, as transformers' offload=True does
         rec.state["offload_hooks"] = rec.offload_hooks
     hooks, restore = _install_hooks(rec, base_model(model).get_input_embeddings(), layers, params, fmode)
+    # No cyclic collection inside the step: torch's non-reentrant checkpoint follows its recompute through weak
+    # references, so a collection landing mid-trace could change the ops recorded, making a trace depend on the
+    # garbage earlier work left. (A trace compared with the op cache on and off differed once, late in a long test
+    # run, and never alone; this takes the collector's timing out of a trace.)
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         # without checkpointing, save_on_cpu goes around the whole forward (launcher.engines.base)
         with _step_globals(tracker), _no_packed_sequence_probe(), _no_padding_probe(), _grouped_experts_on_meta(), \
@@ -882,6 +889,8 @@ def measure_step(model: nn.Module, input_ids: torch.Tensor, *, autocast_dtype: t
             loss.backward()
             del loss
     finally:
+        if collecting:
+            gc.enable()
         for h in hooks:
             h.remove()
         for layer in restore:
