@@ -63,6 +63,9 @@ def judge(ratios: dict, others_busy_cores: float) -> tuple[str | None, str | Non
 
 
 def _fastest(fn) -> float:
+    """The fastest call of ``fn`` over :data:`MIN_TIME_S` (three at least). Not ``launcher.measure.timing.best_of``:
+    the loop and ``machine/`` may not import ``measure/`` (import-linter), and what best_of adds (a warm-up, blocks
+    of calls under 100 us) is for sizes this check never times (1-50 ms)."""
     times, deadline = [], time.perf_counter() + MIN_TIME_S
     while len(times) < 3 or time.perf_counter() < deadline:
         if torch.cuda.is_available():
