@@ -28,13 +28,19 @@ def compute_dtype(precision: str) -> torch.dtype:
 
 
 def weight_dtype(engine: str, precision: str, adapters: bool) -> torch.dtype:
-    """The dtype a run keeps its model's weights in (the one rule the loader, the export and the memory plan
-    share). DeepSpeed fp16/bf16: 16 bits (it keeps fp32 masters in its optimizer). AMP with LoRA or QLoRA
-    (``adapters``): the frozen base in 16 bits too (autocast computes in 16 bits anyway and the fp32 adapters are
-    all that trains). Otherwise fp32 masters (AMP, and FSDP, which casts to 16 bits per layer as it computes)."""
-    if precision in ("fp16", "bf16") and (engine == "deepspeed" or (engine == "amp" and adapters)):
+    """The dtype a run keeps its model's base weights in (the one rule the loader, the export and the memory plan
+    share). DeepSpeed fp16/bf16: 16 bits (it keeps fp32 masters in its optimizer). A LoRA or QLoRA base
+    (``adapters``) on any engine: 16 bits too (it is frozen, and every engine computes in 16 bits anyway; only the
+    adapters train). Otherwise fp32 masters (AMP, and FSDP, which casts to 16 bits per layer as it computes)."""
+    if precision in ("fp16", "bf16") and (engine == "deepspeed" or adapters):
         return DTYPES[precision]
     return torch.float32
+
+
+def trainable_dtype(engine: str, precision: str) -> torch.dtype:
+    """The dtype of the weights that train: fp32 masters for the torch engines (AMP, FSDP), the compute dtype for
+    DeepSpeed (its optimizer keeps the fp32 master)."""
+    return DTYPES[precision] if engine == "deepspeed" else torch.float32
 
 
 def supports_bf16(capability: tuple[int, int]) -> bool:

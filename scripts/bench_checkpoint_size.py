@@ -39,9 +39,12 @@ def measure(profile: str, model: str, r: int, out_dir: str, extra: list[str]) ->
                              f"run_name={profile}", *extra])
     s = train(cfg)
     ckpt = s["checkpoint"]
-    from launcher.model.build import build_model, count_params
+    import torch
 
-    m = build_model(cfg)
+    from launcher.model.build import build_model, count_params
+    from launcher.model.materialize import Placement
+
+    m, _ = build_model(cfg, Placement(torch.device("cpu"), torch.float32, torch.float32))  # meta: counted, not made
     total, trainable = count_params(m)
     return {"profile": profile, "engine": s["engine"], "status": s["status"], "checkpoint_bytes": tree_bytes(ckpt),
             "final_bytes": tree_bytes(os.path.join(s["run_dir"], "final")), "trainable_params": trainable,

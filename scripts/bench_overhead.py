@@ -28,14 +28,14 @@ import torch  # noqa: E402
 from launcher.config.schema import load_config  # noqa: E402
 from launcher.data.order import micro_batches  # noqa: E402
 from launcher.data.synthetic import synthetic_task  # noqa: E402
-from launcher.model.build import build_model, model_config, param_groups  # noqa: E402
+from launcher.model.build import make_model, model_config, param_groups  # noqa: E402
 
 WARMUP = 5
 
 
 def bare_loop(cfg) -> float:
     """The loop a user would write by hand: tokens/s over the timed steps."""
-    model = build_model(cfg, torch.float32, model_config(cfg))
+    model = make_model(cfg, hf_config=model_config(cfg))
     model.train()
     t = cfg.train
     opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,

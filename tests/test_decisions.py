@@ -83,7 +83,8 @@ def test_the_ladder_halves_the_micro_batch_then_checkpoints_then_offloads_keepin
 @pytest.mark.parametrize("engine,precision,adapters,dtype", [
     ("deepspeed", "bf16", False, torch.bfloat16), ("deepspeed", "fp16", True, torch.float16),
     ("amp", "bf16", True, torch.bfloat16), ("amp", "bf16", False, torch.float32), ("amp", "fp16", False, torch.float32),
-    ("fsdp", "bf16", True, torch.float32), ("amp", "fp32", True, torch.float32), ("deepspeed", "fp32", False, torch.float32),
+    ("fsdp", "bf16", True, torch.bfloat16), ("fsdp", "bf16", False, torch.float32), ("amp", "fp32", True, torch.float32),
+    ("deepspeed", "fp32", False, torch.float32),
 ])
 def test_the_weights_dtype_rule(engine, precision, adapters, dtype):
     assert weight_dtype(engine, precision, adapters) == dtype

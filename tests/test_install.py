@@ -153,10 +153,11 @@ def test_local_model_loads_in_bf16_with_fp32_adapters(tiny_model):
     """from_pretrained(dtype=...) gives the asked dtype (older transformers took torch_dtype= and ignore dtype=
     silently, loading fp32), and peft's autocast_adapter_dtype makes the adapters over the bf16 base fp32."""
     from launcher.config.schema import load_config
-    from launcher.model.build import build_model
+    from launcher.model.build import make_model
+    from launcher.model.materialize import Placement
 
     cfg = load_config(None, [f"model.name={tiny_model}", "lora.r=8", "model.gradient_checkpointing=true"])
-    model = build_model(cfg, torch.bfloat16)
+    model = make_model(cfg, Placement(torch.device("cpu"), torch.bfloat16, torch.float32))
     params = dict(model.named_parameters())
     base = {n: p for n, p in params.items() if "lora_" not in n}
     adapters = {n: p for n, p in params.items() if "lora_" in n}

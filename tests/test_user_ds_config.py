@@ -51,11 +51,12 @@ def check_parity(custom_rows, catalogue_rows, name):
     changes nothing on the CPU accelerator; steps_per_print) and in the optimizer: the examples' "optimizer"
     section makes DeepSpeed build DeepSpeedCPUAdam, the catalogue passes torch's fused AdamW. Both do AdamW's
     arithmetic in fp32 on the fp32 master weights, in another order, and the bf16 weights round the last bits
-    of that apart: measured 3.3e-6 max, 8.2e-7 mean relative over 4 steps (zero2 example; the same optimizer on
-    both sides gave 0). 2e-5 / 5e-6 leave room for that and catch any real difference (a wrong lr or betas
-    moves the loss by 1e-3 and more at step 2)."""
+    of that apart, by an amount that depends on the initial weights: over seeds 0-3 of the zero2 example,
+    7.2e-6 to 5.0e-5 max and 3.3e-6 to 1.6e-5 mean relative over 4 steps (the same optimizer on both sides
+    gives 0). 1e-4 / 3e-5 leave room for that and still catch any real difference (a wrong lr or betas moves the
+    loss by 1e-3 and more at step 2)."""
     mx, mean = compare(losses(custom_rows), losses(catalogue_rows), name)
-    assert mx < 2e-5 and mean < 5e-6, (mx, mean)
+    assert mx < 1e-4 and mean < 3e-5, (mx, mean)
 
 
 def test_hf_zero2_example_trains_like_zero2_bf16_offload_opt(tmp_path):

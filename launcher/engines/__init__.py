@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from launcher.config import user_ds_config
 from launcher.config.profiles import resolve_ds_config
 from launcher.engines.amp import AmpEngine
@@ -16,6 +18,8 @@ from launcher.log import logger
 from launcher.machine.hardware import Hardware, pin_memory_ok
 from launcher.model.build import param_groups
 from launcher.model.loss import liger_available
+from launcher.model.materialize import Placement
+from launcher.precision import trainable_dtype, weight_dtype
 
 
 def restore_globals() -> None:
@@ -24,8 +28,24 @@ def restore_globals() -> None:
     restore_torch_functions()
 
 
-def build(cfg, spec, model, hw: Hardware, hidden_size: int, lr: float):
-    """(engine, ds_config or None) for ``spec`` (a :class:`launcher.plan.resolve.RunSpec`), optimizer at ``lr``."""
+def placement(spec, adapters: bool) -> Placement:
+    """Where the weights of ``spec``'s engine live and in what dtype: on the training device for AMP and ZeRO-1/2;
+    on the CPU for FSDP2 offload and ZeRO-3 (which take them from there unit by unit, sharded); the base in
+    :func:`launcher.precision.weight_dtype`, what trains in :func:`launcher.precision.trainable_dtype`."""
+    on_cpu = spec.engine == "fsdp" or (spec.engine == "deepspeed" and spec.profile.zero_stage == 3)
+    return Placement(torch.device("cpu") if on_cpu else spec.device, weight_dtype(spec.engine, spec.precision, adapters),
+                     trainable_dtype(spec.engine, spec.precision))
+
+
+def build(cfg, spec, model, hw: Hardware, hidden_size: int, lr: float, materializer=None):
+    """(engine, ds_config or None) for ``spec`` (a :class:`launcher.plan.resolve.RunSpec`), optimizer at ``lr``.
+
+    ``model`` may still be on the meta device with its ``materializer`` (:mod:`launcher.model.materialize`): the
+    engines that shard (FSDP2, ZeRO-3) make it one unit at a time as they shard it; the others make it whole here.
+    """
+    sharded = spec.engine == "fsdp" or (spec.engine == "deepspeed" and spec.profile.zero_stage == 3)
+    if materializer is not None and not sharded:
+        materializer.fill_all()
     groups = param_groups(model, cfg.train.weight_decay)
     t = cfg.train
     betas = (t.beta1, t.beta2)
@@ -54,16 +74,21 @@ def build(cfg, spec, model, hw: Hardware, hidden_size: int, lr: float):
                                           nvme_path=swap,
                                           largest_param=max((p.numel() for p in model.parameters()), default=0))
         # No optimizer section: torch's fused AdamW as DeepSpeed's client optimizer (no op to compile)
-        client = None if "optimizer" in ds_config else make_optimizer(groups, lr=lr, betas=betas, eps=t.eps,
-                                                                      device=spec.device)
-        return DeepSpeedEngine(model, ds_config=ds_config, param_groups=groups, device=spec.device,
-                               optimizer=client, levers=levers, swap_folder=swap), ds_config
+        # made once the weights are (ZeRO-3 makes them as it partitions them): the groups hold the made parameters
+        def groups_of() -> list[dict]:
+            return param_groups(model, cfg.train.weight_decay)
+
+        client = None if "optimizer" in ds_config else (lambda groups: make_optimizer(
+            groups, lr=lr, betas=betas, eps=t.eps, device=spec.device))
+        return DeepSpeedEngine(model, ds_config=ds_config, param_groups=groups_of, device=spec.device,
+                               optimizer=client, levers=levers, swap_folder=swap,
+                               materializer=materializer if sharded else None), ds_config
     if spec.engine == "fsdp":
         pin, why = pin_memory_ok(hw, 8 * n_train)  # the fp32 weight and gradient shards FSDP keeps on the CPU
         logger.info(f"pin_memory {'on' if pin else 'off'}: {why}")
         return FsdpEngine(model, precision=spec.precision, device=spec.device, lr=lr, betas=betas, eps=t.eps,
                           weight_decay=t.weight_decay, grad_clip=t.grad_clip, loss_scale=cfg.loss_scale,
-                          pin_memory=pin, levers=levers), None
+                          pin_memory=pin, levers=levers, materializer=materializer), None
     return AmpEngine(model, precision=spec.precision, device=spec.device, param_groups=groups, lr=lr, betas=betas,
                      eps=t.eps, grad_clip=t.grad_clip, loss_scale=cfg.loss_scale, optimizer=t.optimizer,
                      levers=levers), None

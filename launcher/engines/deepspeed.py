@@ -57,6 +57,34 @@ def _number_parameters_from_zero() -> None:
     Init.param_id = 0
 
 
+def _partition_as_made(model: torch.nn.Module, materializer, ds_config: dict) -> None:
+    """ZeRO-3 without a whole copy of the model anywhere: each unit is made on the CPU
+    (:class:`launcher.model.materialize.Materializer`) and partitioned at once, so a rank holds its partitions and one
+    unit whole, never the model (several ranks on one host hold one copy between them). What
+    ``deepspeed.zero.Init(module=...)`` does for a whole module, done unit by unit with one ``Init``: its
+    ``_convert_to_zero_parameters`` copies each parameter to the GPU, broadcasts rank 0's values and keeps this
+    rank's partition where the config's ``offload_param`` says. Without it ``deepspeed.initialize`` first moves
+    the whole model to the GPU (``module.to(device)``: 12.6 GiB for a 7B model in 16 bits). Then the buffers go to
+    the GPU, and ZeRO-3's memory-efficient linear replaces ``torch.nn.functional.linear``, as ``Init(module=...)``
+    does (undone by :func:`restore_torch_functions`). DeepSpeed 0.19's own names, read in its
+    ``runtime/zero/partition_parameters.py``."""
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    init = Init(config_dict_or_path=ds_config)
+    for unit in materializer.units():
+        materializer.fill(unit)
+        init._convert_to_zero_parameters(unit.parameters(recurse=True))
+    materializer.fill(model)
+    init._convert_to_zero_parameters(model.parameters(recurse=True))  # the rest: converted ones are skipped
+    for m in model.modules():
+        for k, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[k] = b.to(init.local_device)
+    init._keep_in_fp32(model)
+    if init.mem_efficient_linear:
+        init._enable_mem_efficient_linear()
+
+
 def optimizer_name(opt) -> str:
     inner = getattr(opt, "optimizer", opt)
     return type(inner).__name__
@@ -67,13 +95,16 @@ class DeepSpeedEngine:
     beside = (".universal",)  # what a resume on another number of ranks makes beside a checkpoint (UNIVERSAL)
     resets_in_place = False  # ZeRO keeps a half-accumulated step in its own buffers: the OOM ladder rebuilds
 
-    def __init__(self, model: torch.nn.Module, *, ds_config: dict, param_groups: list[dict], device: torch.device,
-                 optimizer=None, levers: Levers | None = None, swap_folder: str = ""):
-        """``optimizer``: (a torch optimizer over ``param_groups``, its name), DeepSpeed's client optimizer
-        (the catalogue's profiles: torch's fused AdamW, no compiler needed); None: DeepSpeed builds the one
-        the config's ``optimizer`` section names (its FusedAdam or DeepSpeedCPUAdam ops). ``swap_folder``: the
-        NVMe swap folder made for this engine (launcher.engines.swap.nvme_folder), removed when it closes or, failing
-        that, when the process exits."""
+    def __init__(self, model: torch.nn.Module, *, ds_config: dict, param_groups, device: torch.device,
+                 optimizer=None, levers: Levers | None = None, swap_folder: str = "", materializer=None):
+        """``param_groups``: a function returning the optimizer's parameter groups, called once the weights are
+        made. ``optimizer``: a function of those groups returning (a torch optimizer, its name), DeepSpeed's
+        client optimizer (the catalogue's profiles: torch's fused AdamW, no compiler needed); None: DeepSpeed
+        builds the one the config's ``optimizer`` section names (its FusedAdam or DeepSpeedCPUAdam ops).
+        ``swap_folder``: the NVMe swap folder made for this engine (launcher.engines.swap.nvme_folder), removed
+        when it closes or, failing that, when the process exits.
+        ``materializer``: ZeRO-3 with ``model`` on the meta device: made and partitioned one unit at a time
+        (:func:`_partition_as_made`)."""
         import deepspeed
 
         dist.ensure_env()
@@ -91,7 +122,10 @@ class DeepSpeedEngine:
         self.ds_config = ds_config
         self.device = device
         self.levers = levers
-        client, client_name = optimizer if optimizer is not None else (None, None)
+        if materializer is not None:
+            _partition_as_made(model, materializer, ds_config)
+        param_groups = param_groups()
+        client, client_name = optimizer(param_groups) if optimizer is not None else (None, None)
         self.swap_folder = swap_folder
         zero = ds_config.get("zero_optimization", {})
         if zero.get("stage") == 3 and (zero.get("offload_optimizer") or {}).get("device") == "nvme":
@@ -300,7 +334,10 @@ class DeepSpeedEngine:
 
     def save_final(self, directory: str) -> None:
         # Under ZeRO-3 the 16-bit weights are gathered onto rank 0 (stage3_gather_16bit_weights_on_model_save).
-        state = self.engine._zero3_consolidated_16bit_state_dict() if self.engine.zero_optimization_stage() == 3 else None
+        # A LoRA run's final/ is its adapter: the frozen base is left out of the gathering (it would be a whole
+        # 16-bit copy of the model on rank 0's CPU).
+        state = self.engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=self._has_frozen()) \
+            if self.engine.zero_optimization_stage() == 3 else None
         if torch.distributed.get_rank() == 0:
             save_final(self.engine.module, directory, state_dict=state)
 

@@ -49,7 +49,7 @@ from launcher.engines.base import (
 )
 from launcher.machine import dist as ranks
 from launcher.model.build import param_groups, save_final
-from launcher.model.structure import base_model, decoder_layers
+from launcher.model.structure import units
 
 
 def _mesh(device: torch.device):
@@ -67,20 +67,60 @@ def _mesh(device: torch.device):
 
 
 def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules that become their own FSDP unit, in forward order: embeddings, each decoder layer, head.
+    """The modules that become their own FSDP unit, in forward order (:func:`launcher.model.structure.units`)."""
+    return units(model)
 
-    Tied input and output embeddings share one weight, which can only belong to one unit: then both
-    stay in the root unit.
-    """
-    base = base_model(model)
-    layers = list(decoder_layers(model))
-    emb, head = base.get_input_embeddings(), base.get_output_embeddings()
-    tied = emb is not None and head is not None and emb.weight is head.weight
-    units = [] if tied or emb is None else [emb]
-    units += layers
-    if head is not None and not tied:
-        units.append(head)
-    return units
+
+def pin_in_place(model: torch.nn.Module) -> list[int]:
+    """Page-lock every CPU shard of ``model`` where it lies (``cudaHostRegister``): exactly its bytes, where a copy
+    into torch's pinned allocator would round each block up to a power of two. FSDP copies a pinned shard to the GPU
+    asynchronously (``all_gather_inputs`` copies with ``non_blocking=True``), and ``Tensor.is_pinned`` is true of
+    registered memory, so FSDP takes these shards as pinned. The trainable shards' gradients are then sent to pinned
+    blocks of FSDP's own, as with ``CPUOffloadPolicy(pin_memory=True)`` (its ``FSDPParam.pin_memory``, set where this
+    torch has it). Returns the pointers registered, for :func:`unpin`."""
+    cudart = torch.cuda.cudart()
+    done: list[int] = []
+    for p in model.parameters():
+        local = _local(p.data)
+        if local.device.type != "cpu" or local.numel() == 0:
+            continue
+        st = local.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr in done:
+            continue
+        err = cudart.cudaHostRegister(ptr, st.nbytes(), 0)
+        if int(err) != 0:  # not pinned: FSDP copies it like pageable memory, slower but right
+            continue
+        done.append(ptr)
+    for fp in _fsdp_params(model):
+        data = getattr(fp, "_sharded_param_data", None)
+        if fp.sharded_param.requires_grad and data is not None and data.untyped_storage().data_ptr() in done:
+            fp.pin_memory = True
+    return done
+
+
+def unpin(pointers: list[int]) -> None:
+    if pointers:
+        cudart = torch.cuda.cudart()
+        for ptr in pointers:
+            cudart.cudaHostUnregister(ptr)
+
+
+def _fsdp_params(model: torch.nn.Module) -> list:
+    """FSDP2's per-parameter records (private: ``_get_fsdp_state()._fsdp_param_groups``, or the one
+    ``_fsdp_param_group`` of older torch); [] where this torch names them otherwise."""
+    out = []
+    for m in model.modules():
+        state = getattr(m, "_get_fsdp_state", lambda: None)()
+        if state is None:
+            continue
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            one = getattr(state, "_fsdp_param_group", None)
+            groups = [one] if one is not None else []
+        for g in groups:
+            out += list(getattr(g, "fsdp_params", []))
+    return out
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -93,7 +133,11 @@ class FsdpEngine:
 
     def __init__(self, model: torch.nn.Module, *, precision: str, device: torch.device, lr: float, betas,
                  eps: float, weight_decay: float, grad_clip: float, loss_scale, offload: bool = True,
-                 pin_memory: bool = False, levers: Levers | None = None):
+                 pin_memory: bool = False, levers: Levers | None = None, materializer=None):
+        """``materializer``: ``model`` is on the meta device, and each unit is made
+        (:class:`launcher.model.materialize.Materializer`) just before it is sharded, so a rank never holds more
+        than its shards and one unit whole. ``pin_memory``: page-lock the CPU shards where they are
+        (:func:`pin_in_place`)."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         self.device = device
@@ -107,13 +151,21 @@ class FsdpEngine:
         # Gradients are reduced and accumulated in fp32 whatever the compute dtype: on one GPU the
         # reduce-scatter is a copy, and fp32 keeps accumulation over micro-batches as exact as AMP's.
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        off = CPUOffloadPolicy(pin_memory=pin_memory and device.type == "cuda") if offload else OffloadPolicy()
+        # FSDP's own pinning (CPUOffloadPolicy(pin_memory=True)) copies every shard into a block of torch's pinned
+        # allocator, which rounds each up to a power of two (a 172 MiB weight takes 256 MiB): the shards are pinned
+        # where they are instead, after sharding (pin_in_place)
+        off = CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy()
         self.offload = offload
         # fully_shard moves each unit's parameters to the device, shards them and (offload) copies the shard
         # back to the CPU, one unit at a time: the whole model is never on the GPU at once.
         for unit in shard_units(model):
+            if materializer is not None:
+                materializer.fill(unit)
             fully_shard(unit, mesh=self.mesh, mp_policy=mp, offload_policy=off)
+        if materializer is not None:
+            materializer.fill(model)
         fully_shard(model, mesh=self.mesh, mp_policy=mp, offload_policy=off)
+        self.pinned = pin_in_place(model) if pin_memory and offload and device.type == "cuda" else []
         self.model = model
         self.model.train()
         groups = param_groups(model, weight_decay)  # after sharding: the parameters are now DTensors
@@ -218,10 +270,15 @@ class FsdpEngine:
         return extra["client_state"]
 
     def full_state_dict(self) -> dict:
-        """Full (unsharded) fp32 weights on the CPU of rank 0 ({} on the others). Collective."""
+        """Full (unsharded) weights on the CPU of rank 0 ({} on the others): what trains only when a frozen base is
+        there (a LoRA run's final/ is its adapter: gathering the base would copy it whole). Collective."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        frozen = any(not p.requires_grad for p in self.model.parameters())
+        if self.world == 1 and self.offload and not frozen:  # the CPU shards are the whole tensors: no gathered copy
+            return {k: _local(v).detach() for k, v in self.model.state_dict().items()}
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                         ignore_frozen_params=frozen))
 
     def save_final(self, directory: str) -> None:
         state = self.full_state_dict()
@@ -234,7 +291,9 @@ class FsdpEngine:
 
     # ---- moving to another engine (OOM ladder) and back
     def close(self) -> None:
-        """Nothing outlives this engine but what the loop drops."""
+        """Unpin the shards pinned in place (their memory goes back to the allocator with the model)."""
+        unpin(self.pinned)
+        self.pinned = []
 
     def apply_move(self, move, offload_activations: bool) -> None:
         move_in_place(self, move, offload_activations)

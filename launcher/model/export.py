@@ -20,7 +20,8 @@ from dataclasses import replace
 import torch
 
 from launcher.config.schema import ConfigError, load_config
-from launcher.model.build import build_model, load_tokenizer, model_config
+from launcher.model.build import load_tokenizer, make_model, model_config
+from launcher.model.materialize import Placement
 from launcher.model.presets import PRESETS
 from launcher.precision import weight_dtype
 
@@ -80,7 +81,7 @@ def _merge(run_dir: str, final: str, out: str) -> str:
     dtype = _base_dtype(cfg, summary)
     base_cfg = replace(cfg, model=replace(cfg.model, quantize="none", gradient_checkpointing=False),
                        lora=replace(cfg.lora, r=0))
-    base = build_model(base_cfg, dtype)
+    base = make_model(base_cfg, Placement(torch.device("cpu"), dtype, dtype))
     model = PeftModel.from_pretrained(base, final)
     merged = model.merge_and_unload()
     merged.config.use_cache = True

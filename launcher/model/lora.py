@@ -79,7 +79,9 @@ def check(cfg: Config, hf_config) -> tuple[list[str], list[str]] | None:
 
 
 def apply_lora(cfg: Config, model: torch.nn.Module, base_name: str | None = None):
-    """Wrap ``model`` in a peft LoRA model: base frozen, adapters (fp32) trainable."""
+    """Wrap ``model`` (on the meta device, or made) in a peft LoRA model: base frozen, adapters trainable. The
+    adapters are made on the meta device (peft's ``low_cpu_mem_usage``), for
+    :class:`launcher.model.materialize.Materializer` to make and initialise the same way on every path."""
     from peft import LoraConfig, get_peft_model
 
     names, params = resolve_targets(cfg, model)
@@ -90,7 +92,7 @@ def apply_lora(cfg: Config, model: torch.nn.Module, base_name: str | None = None
     # autocast_adapter_dtype: adapters of a 16-bit base are made fp32, as the optimizer and GradScaler need.
     with warnings.catch_warnings():  # peft asks a deprecated transformers property; nothing for the user to do
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        peft_model = get_peft_model(model, lc, autocast_adapter_dtype=True)
+        peft_model = get_peft_model(model, lc, autocast_adapter_dtype=True, low_cpu_mem_usage=True)
     peft_model.peft_config["default"].base_model_name_or_path = base_name or cfg.model.name
     n = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     what = ", ".join(names) + (f" + the experts' {', '.join(p.split('.')[-1] for p in params)} ({experts} expert "

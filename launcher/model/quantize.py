@@ -34,13 +34,18 @@ def bnb_config(kind: str, precision: str):
     return BitsAndBytesConfig(load_in_8bit=True)
 
 
-def quantize_in_place(model: torch.nn.Module, kind: str, precision: str, device: torch.device) -> int:
+def quantize_in_place(model: torch.nn.Module, kind: str, precision: str, device: torch.device,
+                      within: torch.nn.Module | None = None) -> int:
     """Replace the decoder's nn.Linear layers of a model already in memory (a preset) by bitsandbytes ones,
-    quantized on ``device``; one layer at a time, so the full-precision copy is freed as it goes."""
+    quantized on ``device``; one layer at a time, so the full-precision copy is freed as it goes. ``within``: only
+    the layers inside that module (the part of the model just made, :mod:`launcher.model.materialize`)."""
     import bitsandbytes as bnb
 
+    inside = None if within is None else {id(m) for m in within.modules()}
     count = 0
     for name in linear_modules(model):
+        if inside is not None and id(model.get_submodule(name)) not in inside:
+            continue
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, leaf)

@@ -30,3 +30,18 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
         raise ValueError(f"cannot find the decoder layers of {type(base).__name__} "
                          f"(no ModuleList of {n} = num_hidden_layers modules)")
     return best[1]
+
+
+def units(model: nn.Module) -> list[nn.Module]:
+    """The model's parts that are made, sharded and gathered one at a time, in forward order: the input embeddings,
+    each decoder layer, the output head. Tied input and output embeddings share one weight, which can only belong
+    to one part: then both stay with the rest of the model (the root), which comes after these."""
+    base = base_model(model)
+    layers = list(decoder_layers(model))
+    emb, head = base.get_input_embeddings(), base.get_output_embeddings()
+    tied = emb is not None and head is not None and emb.weight is head.weight
+    out = [] if tied or emb is None else [emb]
+    out += layers
+    if head is not None and not tied:
+        out.append(head)
+    return out

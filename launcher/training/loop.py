@@ -33,14 +33,15 @@ from launcher.model.build import build_model, count_params, load_tokenizer, mode
 from launcher.plan import report
 from launcher.plan.ladder import Move, Rung, next_move
 from launcher.plan.resolve import RunSpec, resolve
-from launcher.precision import weight_dtype
 from launcher.training import checkpoint as ckpt
 from launcher.training import generate, plots, progress, rankladder
 from launcher.training.faults import Hooks, StopRequested, diagnose
 from launcher.training.monitor import MemoryMonitor
 from launcher.training.rundir import LOCK, LockHeld, RunDir, RunLock, default_run_name
 from launcher.training.schedule import lr_at
+from launcher.training.startup import Startup
 from launcher.training.tracking import Trackers
+from launcher.units import GiB
 
 
 @dataclass
@@ -104,6 +105,7 @@ class Run:
     peak_rss: int = 0
     elapsed: float = 0.0
     calibration_doubtful: str | None = None  # the speeds that priced the plan were measured on a busy machine
+    startup: Startup | None = None  # where the time to the first step went
     oom: dict | None = None  # an OOM on one of several ranks since the checkpoint: the rung all go on with
 
     @property
@@ -138,6 +140,7 @@ def prepare(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.
     """Everything before the first step: decide, load the data, claim the run directory, build the engine,
     restore the checkpoint being continued. Input problems surface before the run directory exists, and a
     refused resume changes nothing in it."""
+    startup = Startup()
     ranks = dist.current()
     log.setup(cfg.log.level, ranks.rank)
     # before the process group and the engine start their threads (launcher/machine/heap.py)
@@ -148,8 +151,10 @@ def prepare(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.
     th = _threads(cfg, ranks)
     asked = cfg  # what a checkpoint compares on resume: the settings as the user gave them
     hf_config, cfg, spec, machine = _decide(cfg, hw, ranks)
+    startup.lap("plan")
     tokenizer = load_tokenizer(cfg)
     train_data, eval_data = load_splits(cfg, hf_config.vocab_size, tokenizer, hf_config)
+    startup.lap("data")
     if cfg.train.epochs:
         cfg = with_epochs(cfg, len(train_data))
         logger.info(f"train.epochs={cfg.train.epochs:g} over {len(train_data)} samples: {cfg.train.max_steps} steps "
@@ -157,7 +162,7 @@ def prepare(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.
     run = Run(cfg=cfg, asked=asked, hooks=hooks, ranks=ranks, hw=hw, threads=th, hf_config=hf_config, spec=spec,
               tokenizer=tokenizer, train_data=train_data, eval_data=eval_data,
               sample_prompt=generate.prompt_ids(cfg, tokenizer, eval_data if eval_data is not None else train_data),
-              calibration_doubtful=machine.doubtful if machine is not None else None)
+              calibration_doubtful=machine.doubtful if machine is not None else None, startup=startup)
     _check_disk(run)
     run.rd, run.resume_from, run.run_name, run.damaged = prepare_run_dir(cfg, ranks, cleanup)
     if run.resume_from:
@@ -182,7 +187,8 @@ def prepare(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.
     run.mon = MemoryMonitor.for_run(cfg, run.rd, run.device)  # stopped at the end of fit
     if not run.resume_from:
         run.mon.start()  # memory.csv from here (a resume appends to it once its checkpoint has loaded)
-    run.engine, run.model = make_engine(cfg, run.spec, hw, hf_config, run.rd)
+    startup.lap("run directory")
+    run.engine, run.model = make_engine(cfg, run.spec, hw, hf_config, run.rd, startup=startup)
     if run.device.type == "cuda":  # engine set-up can briefly hold two copies of the weights; training is apart
         run.init_peak_gpu = torch.cuda.max_memory_allocated(run.device)
         torch.cuda.reset_peak_memory_stats(run.device)
@@ -194,6 +200,7 @@ def prepare(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.
                 f"{cfg.train.global_batch_size}")
     if run.resume_from:
         _restore(run)
+        startup.lap("resume")
     if run.oom is not None:  # the move is the run's, as one made in place is
         run.st.fallbacks.append({k: run.oom[k] for k in ("from", "to", "reason", "step", "rank")})
     # trackers only once a resume has loaded (a refused one changes nothing in the run directory); one that
@@ -319,6 +326,9 @@ def fit(run: Run) -> None:
     stop = StopRequested().install()
     t_start = time.perf_counter()
     run.peak_rss = psutil.Process().memory_info().rss
+    if run.startup is not None:
+        run.startup.lap("trackers")
+        logger.info(run.startup.describe())
     at_min_scale = 0  # fp16 steps in a row that overflowed at the minimum loss scale
     bar = progress.Progress(cfg, st.step, ranks.is_main)
     try:
@@ -473,11 +483,12 @@ def save_checkpoint(run: Run) -> str:
     st, cfg = run.st, run.cfg
     client = {**st.client(), "samples_seen": st.step * cfg.train.global_batch_size,
               "rng": run.ranks.gather(ckpt.rng_state())}
-    path = ckpt.save(run.engine, run.rd.checkpoints, st.step, client, ckpt.fixed_settings(run.asked),
-                     is_main=run.ranks.is_main, barrier=run.ranks.barrier, keep_last=cfg.checkpoint.keep_last,
-                     extra={"rung": asdict(run.spec.rung), "world": run.ranks.world}, during_save=run.hooks.during_save,
-                     predicted_bytes=run.spec.predicted("checkpoint_bytes"),
-                     keep=(st.best_checkpoint,) if cfg.checkpoint.keep_best and st.best_checkpoint else ())
+    with run.mon.host_phase("checkpoint"):
+        path = ckpt.save(run.engine, run.rd.checkpoints, st.step, client, ckpt.fixed_settings(run.asked),
+                         is_main=run.ranks.is_main, barrier=run.ranks.barrier, keep_last=cfg.checkpoint.keep_last,
+                         extra={"rung": asdict(run.spec.rung), "world": run.ranks.world},
+                         during_save=run.hooks.during_save, predicted_bytes=run.spec.predicted("checkpoint_bytes"),
+                         keep=(st.best_checkpoint,) if cfg.checkpoint.keep_best and st.best_checkpoint else ())
     logger.info(f"checkpoint {path}")
     return path
 
@@ -577,8 +588,9 @@ def _final_weights(run: Run) -> float | None:
             if run.tokenizer is not None and run.ranks.is_main:
                 run.tokenizer.save_pretrained(tmp)
         try:
-            ckpt.write_dir_atomic(run.rd.file("final"), write_final, what="final/ (the trained weights)",
-                                  is_main=run.ranks.is_main, barrier=run.ranks.barrier)
+            with run.mon.host_phase("final"):
+                ckpt.write_dir_atomic(run.rd.file("final"), write_final, what="final/ (the trained weights)",
+                                      is_main=run.ranks.is_main, barrier=run.ranks.barrier)
         except DiskFull as e:
             run.status, run.diagnosis = "failed", disk_advice(e, run.rd, run.last_ckpt)
     return eval_loss
@@ -610,6 +622,7 @@ def summary_of(run: Run, eval_loss: float | None) -> dict:
         "predicted_step_s": spec.predicted("step_s"), "calibration_doubtful": run.calibration_doubtful,
         "global_batch_size": run.cfg.train.global_batch_size,
         "seq_len": run.cfg.data.seq_len, "elapsed_s": run.elapsed, "checkpoint": run.last_ckpt,
+        **(run.startup.to_dict() if run.startup is not None else {"startup_s": None, "startup_parts": None}),
         "reasons": list(spec.reasons), "diagnosis": run.diagnosis, "run_dir": run.rd.path, "sample": None,
         "sample_error": None, "tracker_errors": run.trackers.failures, "threads": run.threads.to_dict(),
         **mon.summary(),
@@ -701,25 +714,30 @@ def _resume_point(cfg: Config, rd: RunDir, explicit: bool) -> tuple[str | None, 
     return found, damaged
 
 
-def make_engine(cfg: Config, spec: RunSpec, hw: Hardware, hf_config, rd: RunDir, state: dict | None = None):
-    """A model and engine for ``spec``. With ``state`` (portable_state of the engine it replaces), the weights
-    go into the model before the engine wraps it, so low-precision copies are made from them."""
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg, weight_dtype(spec.engine, spec.precision, cfg.lora.r > 0), hf_config, device=spec.device,
-                        precision=spec.precision, checkpointing=spec.checkpointing,
-                        checkpoint_every=spec.checkpoint_every, offload_activations=spec.offload_activations,
-                        pin_memory=spec.offload_activations and engines.offload_pinning(spec, hw)[0])
-    if state is not None:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name in state:
-                    p.copy_(state[name]["param"])
+def make_engine(cfg: Config, spec: RunSpec, hw: Hardware, hf_config, rd: RunDir, state: dict | None = None,
+                startup: Startup | None = None):
+    """A model and engine for ``spec``. The model is made as the engine takes it (:mod:`launcher.model.materialize`):
+    each weight once, in its training dtype, where it lives. With ``state`` (portable_state of the engine it
+    replaces), those weights go in instead of being read or initialised, so low-precision copies are made from them."""
+    model, materializer = build_model(
+        cfg, engines.placement(spec, cfg.lora.r > 0), hf_config, precision=spec.precision,
+        checkpointing=spec.checkpointing, checkpoint_every=spec.checkpoint_every,
+        offload_activations=spec.offload_activations,
+        pin_memory=spec.offload_activations and engines.offload_pinning(spec, hw)[0], overrides=state)
     if cfg.model.liger:  # checked before the run (kernels.check): a CUDA device and liger-kernel are there
         kernels.apply_liger(model)
     if cfg.model.compile:  # never on DeepSpeed: availability rules those profiles out
         logger.info(f"model.compile: {kernels.compile_layers(model)} decoder layers compiled in place "
                     "(compilation happens in the first steps)")
-    engine, ds_config = engines.build(cfg, spec, model, hw, hf_config.hidden_size, lr_at(0, cfg.train))
+    engine, ds_config = engines.build(cfg, spec, model, hw, hf_config.hidden_size, lr_at(0, cfg.train),
+                                      materializer=materializer)
+    if materializer.checkpoint is not None:
+        materializer.checkpoint.close()
+    if startup is not None:
+        made = materializer
+        startup.lap("model and engine", f"{made.made_s:.1f} s making the weights: {made.loaded / GiB:.2f} GiB read, "
+                                        f"{made.initialised / GiB:.2f} GiB initialised; the rest sharding, pinning "
+                                        "and the engine's buffers")
     if ds_config is not None:
         rd.write_json("ds_config.json", ds_config)
     return engine, model

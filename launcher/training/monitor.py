@@ -32,6 +32,7 @@ RSS high-water reads (0.1-0.2 ms together) and a few microseconds per GPU phase 
 from __future__ import annotations
 
 import collections
+import contextlib
 import csv
 import os
 import resource
@@ -46,6 +47,10 @@ from launcher.log import logger
 from launcher.units import GiB, MiB
 
 PHASES = ("forward", "backward", "step")  # GPU peaks: the model hooks split forward from backward
+# A run's host phases (summary.json's peak_rss_by_phase, planned as the plan's host phases): set-up until the first
+# step (imports, plan, data, the model made, sharded and pinned, the engine's buffers), the steps, checkpoint saves,
+# final/ written. Each is the RSS high-water mark while it lasts (the set-up's from the process's start).
+HOST_PHASES = ("setup", "train", "checkpoint", "final")
 RSS_PHASES = ("forward_backward", "step")  # RSS peaks: split at the optimizer step only (see the docstring)
 CSV_COLUMNS = ("time_s", "step", "phase", "gpu_allocated_bytes", "gpu_reserved_bytes", "gpu_device_used_bytes",
                "gpu_device_total_bytes", "cpu_rss_bytes", "cpu_tree_rss_bytes", "ram_available_bytes")
@@ -194,6 +199,8 @@ class MemoryMonitor:
         self._children_at = -1e9
         self._hwm = _RssHighWater()
         self._overall["rss"] = self._hwm.initial or 0
+        self._host: dict[str, int] = {"setup": self._hwm.initial or 0} if self._hwm.initial else {}
+        self.first_step_wall = None  # time.time() when the first step began
         self._device_used, self.device_source = None, "no GPU"
 
     @classmethod
@@ -298,6 +305,9 @@ class MemoryMonitor:
             h = self._hwm.read()
             if h is not None:
                 self._overall["rss"] = max(self._overall["rss"], h)
+                if self._hwm.resettable or old == "setup":
+                    hp = old if old in HOST_PHASES else "train"
+                    self._host[hp] = max(self._host.get(hp, 0), h)
                 seg = {"forward": "forward_backward", "backward": "forward_backward", "step": "step"}.get(old)
                 if seg and self._hwm.resettable:
                     self._peaks[f"rss:{seg}"] = max(self._peaks.get(f"rss:{seg}", 0), h)
@@ -308,7 +318,11 @@ class MemoryMonitor:
         """The loop enters ``name`` ('forward' before the micro-batches, 'step' before ``engine.step``).
         With ``engine``, its model gets the hooks that split forward from backward (again after the OOM
         ladder builds a new model)."""
+        if self.first_step_wall is None:
+            self.first_step_wall = time.time()
         if not self.enabled:
+            if self.phase == "setup":  # the host phases are kept without the timeline too: one read here
+                self._close_phase(name)
             return
         if engine is not None and self._watched is not engine.module():
             self.watch(engine.module())
@@ -376,6 +390,22 @@ class MemoryMonitor:
                                       "window_steps": self.leak_steps, "message": msg})
                 logger.warning(msg)
 
+    @contextlib.contextmanager
+    def host_phase(self, name: str):
+        """Within: the host phase ``name`` ('checkpoint', 'final'), its RSS high-water mark kept apart from the
+        steps' (with or without the timeline, also after :meth:`stop`)."""
+        before = self.phase
+        self._close_phase(name)
+        try:
+            yield
+        finally:
+            self._close_phase(before if before not in ("setup", "done") else "other")
+
+    def host_peaks(self) -> dict[str, int | None]:
+        """Each host phase's RSS high-water mark (None where the run had none, or the kernel does not let the mark
+        be reset: then only the set-up's and the overall peak are known)."""
+        return {p: self._host.get(p) for p in HOST_PHASES}
+
     # ---- results
 
     def peak_gpu_bytes(self) -> int | None:
@@ -398,6 +428,7 @@ class MemoryMonitor:
         return {"memory_warnings": list(self.warnings), "peak_cpu_rss_hwm_bytes": self.peak_rss_bytes(),
                 "peak_cpu_tree_rss_bytes": self._max_sample["cpu_tree_rss_bytes"] or None,
                 "peak_gpu_device_used_bytes": self._max_sample["gpu_device_used_bytes"] or None,
+                "peak_rss_by_phase": self.host_peaks(),
                 "memory_samples": self.samples, "gpu_device_memory_source": self.device_source,
                 "memory_loop_start_s": None if self.loop_start_s is None else round(self.loop_start_s, 3)}
 

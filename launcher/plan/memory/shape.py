@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 import torch
@@ -114,6 +115,10 @@ class ParamCounts:
     tied_embeddings: bool
     tensors: int = 0  # parameter tensors of the model (optimizers, clipping and engines pay per tensor)
     adapter_tensors: int = 0  # LoRA tensors (two per adapted layer)
+    # (elements, how many, a matrix) of every parameter tensor of the base, and of the adapters: what a block per
+    # tensor costs in an allocator that rounds (torch's pinned memory), and how the optimizer groups them
+    tensor_sizes: tuple = ()
+    adapter_sizes: tuple = ()
 
     @property
     def trainable_tensors(self) -> int:
@@ -147,10 +152,12 @@ def _count_one(model: nn.Module, lora_r: int, lora_targets) -> dict:
         if is_linear(mod):
             linear += mod.weight.numel()
     adapters = largest_adapter = adapter_tensors = 0
+    sizes: Counter = Counter()  # adapter tensors: (elements, a matrix) -> how many
     if lora_r:
         for name in adapted(model, lora_targets):
             mod = model.get_submodule(name)
             i, o = linear_in_out(mod)
+            sizes.update([(lora_r * i, True), (o * lora_r, True)])
             adapters += lora_r * (i + o)
             adapter_tensors += 2  # lora_A and lora_B
             largest_adapter = max(largest_adapter, lora_r * max(i, o))
@@ -158,6 +165,7 @@ def _count_one(model: nn.Module, lora_r: int, lora_targets) -> dict:
             e, a, b = model.get_parameter(name).shape
             adapters += lora_r * e * (a + b)
             adapter_tensors += 2
+            sizes.update([(lora_r * e * a, True), (lora_r * e * b, True)])
             largest_adapter = max(largest_adapter, lora_r * e * max(a, b))
     largest_module = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
     threshold = 10 * int(getattr(model.config, "hidden_size", 0) or 0)
@@ -166,7 +174,10 @@ def _count_one(model: nn.Module, lora_r: int, lora_targets) -> dict:
                 adapters=adapters, largest_param=max(p.numel() for p in params.values()),
                 largest_module=largest_module, largest_adapter=largest_adapter,
                 small_params=sum(p.numel() for p in params.values() if p.numel() <= threshold), tied=tied,
-                tensors=len(params), adapter_tensors=adapter_tensors)
+                tensors=len(params), adapter_tensors=adapter_tensors,
+                layer_sizes=Counter((p.numel(), p.dim() >= 2) for i, p in params.items() if i in layer_ids),
+                other_sizes=Counter((p.numel(), p.dim() >= 2) for i, p in params.items() if i not in layer_ids),
+                adapter_sizes=sizes)
 
 
 _COUNT_CACHE: dict = {}
@@ -201,6 +212,10 @@ def _count(config, lora_r: int, lora_targets: tuple, trust_remote_code: bool) ->
 
     total = ext("total")
     adapters = ext("adapters")
+    layer = two["layer_sizes"] - one["layer_sizes"] if full > 1 else one["layer_sizes"]
+    base_sizes = one["other_sizes"] + Counter({k: n * full for k, n in layer.items()})
+    per_layer_adapters = two["adapter_sizes"] - one["adapter_sizes"] if full > 1 else one["adapter_sizes"]
+    adapter_sizes = one["adapter_sizes"] + Counter({k: n * (full - 1) for k, n in per_layer_adapters.items()})
     return ParamCounts(total=total, embeddings=ext("embeddings"), layers=ext("layers"),
                        per_layer=two["layers"] - one["layers"] if full > 1 else one["layers"],
                        head=ext("head"), other=ext("other"), linear_weights=ext("linear_weights"),
@@ -210,7 +225,19 @@ def _count(config, lora_r: int, lora_targets: tuple, trust_remote_code: bool) ->
                        largest_module=max(one["largest_module"], two["largest_module"]),
                        largest_adapter=max(one["largest_adapter"], two["largest_adapter"]),
                        small_params=ext("small_params"), num_layers=full, tied_embeddings=bool(one["tied"]),
-                       tensors=ext("tensors"), adapter_tensors=ext("adapter_tensors"))
+                       tensors=ext("tensors"), adapter_tensors=ext("adapter_tensors"),
+                       tensor_sizes=_sizes(base_sizes), adapter_sizes=_sizes(adapter_sizes) if lora_r else ())
+
+
+def _sizes(counts: Counter) -> tuple:
+    return tuple(sorted((int(n), int(c), bool(m)) for (n, m), c in counts.items() if c > 0))
+
+
+def _counts_from_json(d: dict) -> ParamCounts:
+    d = dict(d)
+    for k in ("tensor_sizes", "adapter_sizes"):
+        d[k] = tuple(tuple(x) for x in d.get(k, ()))
+    return ParamCounts(**d)
 
 
 # A store that keeps values between processes (``get_value(key)``, ``put_value(key, dict)``;
@@ -244,7 +271,7 @@ def count_params(config, lora_r: int = 0, lora_targets=(ALL_LINEAR,), trust_remo
     targets = (lora_targets,) if isinstance(lora_targets, str) else tuple(lora_targets)
     key = (config_key(config), int(lora_r), targets if lora_r else (), bool(trust_remote_code))
     if key not in _COUNT_CACHE:
-        _COUNT_CACHE[key] = remembered(("param_counts", *key),
+        _COUNT_CACHE[key] = remembered(("param_counts_v2", *key),  # v2: with the tensor sizes
                                        lambda: _count(config, int(lora_r), targets, bool(trust_remote_code)),
-                                       asdict, lambda d: ParamCounts(**d))
+                                       asdict, _counts_from_json)
     return _COUNT_CACHE[key]

@@ -232,8 +232,10 @@ def model_states(p: Profile, run: RunShape, accumulation: int) -> dict:
             add_part(d, "weights", (root + pair) * cd)
         largest_trainable_unit = c.adapters_per_layer if lora else max(units)
         add_part(fb, "gradients", largest_trainable_unit * (cd + 4))
-        load = 4 * (base + c.adapters)
-        add_part(cpu, "weights", 4 * (base + c.adapters) / shard_params)
+        # a LoRA base in 16 bits (launcher.precision.weight_dtype), the trainable weights fp32 masters
+        params = frozen_bytes(weight_dtype(p.engine, p.precision, True).itemsize) + 4 * c.adapters if lora else 4 * base
+        load = params
+        add_part(cpu, "weights", params / shard_params)
         add_part(cpu, "gradients", 4 * trainable / shard_grads)
         add_part(cpu, "optimizer_states", 8 * trainable / shard_opt)
     else:
