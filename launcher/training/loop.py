@@ -222,7 +222,7 @@ def _decide(cfg: Config, hw: Hardware, ranks: dist.Dist) -> tuple[object, Config
     plan uses the speeds when `vramfit doctor --calibrate` has run, to pick the fastest predicted setting that fits
     (never measured here: a training start stays fast)."""
     hf_config = model_config(cfg)
-    hfconfig.check_weights(cfg.model.name)
+    hfconfig.check_weights(cfg.model.name, hf_config, trust_remote_code=cfg.model.trust_remote_code)
     lora.check(cfg, hf_config)  # bitsandbytes present when needed; LoRA target names exist (on a meta model)
     cfg = settle_formats(cfg)  # format auto -> what the records hold (one record read), so the plan knows the batches
     machine, why = speeds.cached()
