@@ -91,23 +91,24 @@ def read_env(env=os.environ) -> Dist:
     of 1."""
     problems: list[str] = []
 
-    def whole(name: str, default: int, lo: int) -> int | None:
+    def whole(name: str, default: int, lo: int, fix: str = _FIX) -> int | None:
         raw = env.get(name)
         if raw is None:
             return default
         try:
             v = int(raw.strip())
         except ValueError:
-            problems.append(f"{name}: got {raw!r}; rule: a whole number >= {lo}; {_FIX}")
-            return None
-        if v < lo:
-            problems.append(f"{name}: got {raw!r}; rule: a whole number >= {lo}; {_FIX}")
+            v = None
+        if v is None or v < lo:
+            problems.append(f"{name}: got {raw!r}; rule: a whole number >= {lo}; {fix}")
             return None
         return v
 
     world, rank, local = whole("WORLD_SIZE", 1, 1), whole("RANK", 0, 0), whole("LOCAL_RANK", 0, 0)
-    whole("LOCAL_WORLD_SIZE", 1, 1)  # read where ranks share a machine's cores, and by torchrun's restarts:
-    whole("TORCHELASTIC_RESTART_COUNT", 0, 0)  # checked here, so no later int() of them fails
+    # read where ranks share a machine's cores, and by torchrun's restarts: checked here, so no later int() fails
+    whole("LOCAL_WORLD_SIZE", 1, 1, "fix: unset LOCAL_WORLD_SIZE (torchrun sets it: the ranks on this machine), or "
+                                    "LOCAL_WORLD_SIZE=1 for one process")
+    whole("TORCHELASTIC_RESTART_COUNT", 0, 0, "fix: unset TORCHELASTIC_RESTART_COUNT (torchrun sets it on a restart)")
     if world is not None and world > 1 and env.get("RANK") is None:
         problems.append(f"RANK: not set with WORLD_SIZE={world}; rule: each of several processes needs its rank "
                         f"(0 to {world - 1}), or it waits for the others forever; {_FIX}")
