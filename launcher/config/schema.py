@@ -744,6 +744,14 @@ def check_data(d: DataConfig) -> list[str]:
     return problems
 
 
+def synthetic_vocab_problem(d: DataConfig, vocab_size: int) -> str | None:
+    """The synthetic task's vocabulary within the model's ``vocab_size`` (one rule for plan and train)."""
+    if d.source == "synthetic" and not d.sources and d.vocab_size > vocab_size:
+        return (f"data.vocab_size: got {d.vocab_size}; rule: the synthetic task's vocabulary must fit the model's "
+                f"({vocab_size}); fix: data.vocab_size={min(256, vocab_size)}")
+    return None
+
+
 INSTRUCTION_FORMATS = RECORD_FORMATS[2:]
 
 

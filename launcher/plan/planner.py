@@ -26,7 +26,7 @@ import torch
 
 from launcher.config import user_ds_config
 from launcher.config.profiles import PROFILES, Profile, bucket_sizes, in_catalogue
-from launcher.config.schema import AUTO, Config, ConfigError, packs_samples
+from launcher.config.schema import AUTO, Config, ConfigError, packs_samples, synthetic_vocab_problem
 from launcher.machine.hardware import Hardware, pin_memory_ok
 from launcher.machine.speeds import Machine
 from launcher.model import hfconfig
@@ -409,6 +409,9 @@ def make_shape(cfg: Config, hw: Hardware, avail: Availability, world: int = 1, n
                links: dict | None = None) -> RunShape:
     config = hfconfig.load(cfg.model.name, cfg.model.trust_remote_code)
     hfconfig.check_seq_len(config, cfg.data.seq_len)  # plan refuses what train would
+    vocab = synthetic_vocab_problem(cfg.data, config.vocab_size) if getattr(config, "vocab_size", None) else None
+    if vocab:
+        raise ConfigError([vocab])
     # damaged weights too (a plan for another machine may have config.json alone: absent weights are not refused)
     hfconfig.check_weights(cfg.model.name, config, required=False, trust_remote_code=cfg.model.trust_remote_code)
     targets = with_experts(tuple(cfg.lora.target_modules) or (ALL_LINEAR,), cfg.lora.experts,
