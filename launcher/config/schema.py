@@ -521,8 +521,9 @@ def load_raw(path: str | None, overrides: list[str] | None = None) -> dict:
         try:
             loaded = OmegaConf.to_container(OmegaConf.create(text))
         except Exception as e:  # noqa: BLE001 -- yaml syntax errors (with line numbers) and OmegaConf's own
-            raise ConfigError([f"config file {path!r}: not valid YAML ({str(e).strip() or type(e).__name__}); rule: a "
-                               "YAML mapping of keys; fix: correct the file"]) from None
+            why = " ".join(str(e).split()) or type(e).__name__  # yaml's messages span lines; one line here
+            raise ConfigError([f"config file {path!r}: not valid YAML ({why}); rule: a YAML mapping of keys; fix: "
+                               "correct the file"]) from None
         if not isinstance(loaded, dict):
             raise ConfigError([f"config file {path!r}: top level is a {type(loaded).__name__}; "
                                "rule: a mapping of keys; fix: write `key: value` lines"])
