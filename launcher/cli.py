@@ -493,12 +493,12 @@ def main(argv: list[str] | None = None) -> int:
     as one rank of several (``vramfit``, ``python -m launcher`` under a launcher) ends here, past the interpreter's
     teardown (:func:`launcher.machine.dist.leave`); ``launcher/run.py`` does the same."""
     code = _main(argv)
-    if argv is None and _launched_ranks() > 1:
+    if argv is None and launched_ranks() > 1:
         dist.leave(code)
     return code
 
 
-def _launched_ranks() -> int:
+def launched_ranks() -> int:
     """The ranks the launcher's variables say, 1 where they cannot be read (``_main`` has said why, and exits 2)."""
     try:
         return dist.current().world

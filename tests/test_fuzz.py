@@ -18,10 +18,13 @@ import dataclasses
 import json
 import os
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
 
+from helpers import ROOT
 from helpers.hostile import changes, is_root, read_only, really_read_only, refused, snapshot, vramfit
 from launcher import cli
 from launcher.config.schema import Config
@@ -607,13 +610,19 @@ def test_issue_42_seed_plot_of_no_run(capsys, monkeypatch, tmp_path, what):
 
 def test_issue_42_seed_world_size_two(capsys, monkeypatch, tmp_path):
     """Row 9: through the console script's path (main() without argv), the launcher's variables were read again
-    outside the handler: a traceback ending in EnvError. In this process, then in a fresh interpreter."""
+    outside the handler: a traceback ending in EnvError. In this process, then in fresh interpreters (vramfit and
+    launcher/run.py, which read them again the same way)."""
     from helpers import run_cli
 
     assert_refused(run(capsys, monkeypatch, tmp_path, "train", *SMALL, env={"WORLD_SIZE": "two"}, console=True),
                    "WORLD_SIZE: got 'two'", "rule: a whole number >= 1")
     before = snapshot(tmp_path)
     r = run_cli("train", *SMALL, env={"WORLD_SIZE": "two"}, cwd=tmp_path)
+    refused(r.returncode, r.stderr, "WORLD_SIZE: got 'two'")
+    # the launchers' entry (deepspeed/torchrun launcher/run.py) ends the same way
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "MASTER_PORT")}
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "launcher", "run.py"), *SMALL], capture_output=True,
+                       text=True, env={**env, "WORLD_SIZE": "two"}, cwd=tmp_path, timeout=300)
     refused(r.returncode, r.stderr, "WORLD_SIZE: got 'two'")
     assert changes(before, snapshot(tmp_path)) == []
 
