@@ -516,6 +516,18 @@ def test_broken_launcher_variables(capsys, monkeypatch, tmp_path, name, command)
     assert_refused(run(capsys, monkeypatch, tmp_path, command, *EVERY_COMMAND[command], env=env), says)
 
 
+@pytest.mark.parametrize("argv,says", [(["--price", "T4=inf"], "--price: got inf for T4"),
+                                       (["--price", "T4=nan"], "--price: got nan for T4"),
+                                       (["--price", "T4=-1"], "--price: got -1 for T4"),
+                                       (["--gpus", "0"], "--gpus: got '0'"), (["--gpus", "x,2"], "--gpus: got 'x'")])
+def test_plan_comparison_options(capsys, monkeypatch, tmp_path, argv, says):
+    """Options parsed by the planner's own readers (comma lists), refused before this machine is measured."""
+    from launcher.measure import calibrate
+
+    monkeypatch.setattr(calibrate, "load_or_calibrate", lambda *a, **k: pytest.fail("measured before refusing"))
+    assert_refused(run(capsys, monkeypatch, tmp_path, "plan", "--compare-gpus", *argv, *SMALL), says)
+
+
 def test_trace_workers_variable(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("VRAMFIT_TRACE_WORKERS", "x")
     assert_refused(run(capsys, monkeypatch, tmp_path, "plan", *SMALL), "VRAMFIT_TRACE_WORKERS: got 'x'")
