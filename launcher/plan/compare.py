@@ -64,7 +64,7 @@ def parse_prices(text: str | None) -> dict[str, float]:
                             f"--price {name}=0.35")
             continue
         if not math.isfinite(price) or price < 0:
-            problems.append(f"--price: got {value} for {name}; rule: a price is a finite number, zero or more; fix: "
+            problems.append(f"--price: got {value} for {name}; rule: a price is zero or more, and finite; fix: "
                             f"--price {name}=0.35")
             continue
         out[spec.name] = price
