@@ -41,6 +41,11 @@ def vramfit(capsys, monkeypatch, *argv, env=None, cwd=None, console=False, out=F
     try:
         if console:
             monkeypatch.setattr(sys, "argv", ["vramfit", *argv])
+            # the console script's process ends after main and destroys even a process group of one; this test
+            # process goes on, and DeepSpeed keeps groups made from the one it made earlier: keep it, as in-process
+            # callers of main(argv) do
+            shutdown = dist.shutdown
+            monkeypatch.setattr(dist, "shutdown", lambda keep_single=False: shutdown(keep_single=True))
             rc = cli.main()
         else:
             rc = cli.main(argv)
