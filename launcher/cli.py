@@ -10,11 +10,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 
 from launcher import log
-from launcher.config.schema import Config, ConfigError
+from launcher.config.schema import Config, ConfigError, folder_problem
 from launcher.machine import dist
 from launcher.machine.files import DiskFull
 
@@ -23,6 +24,62 @@ EPILOG = """config: an optional YAML file, then key=value overrides, e.g.
   vramfit train my.yaml train.max_steps=500 model.gradient_checkpointing=true
   vramfit plan model.name=llama-7b data.seq_len=2048 memory.gpu_budget=16 lora.r=16
 Every key is listed by `vramfit config-reference`."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with its refusals in vramfit's words: the value, the rule and the fix (argparse names the value;
+    the rule and the fix point at the command's own --help), exit code 2, stderr only."""
+
+    def error(self, message: str):
+        if "rule:" not in message:
+            helps = f"`{self.prog} --help`"
+            if message.startswith("the following arguments are required"):
+                message += f"; rule: {self.prog} needs them; fix: add them ({helps} says what each takes)"
+            elif message.startswith("unrecognized arguments"):
+                message += (f"; rule: the options {helps} lists" + (", and key=value overrides" if any(
+                    a.dest == "config" for a in self._actions) else "") + f"; fix: remove it or spell it as {helps} does")
+            else:
+                message += f"; rule: as {helps} says; fix: correct it as {helps} shows"
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class Number:
+    """An argparse type: a finite whole number (``kind=int``) or number within ``lo`` (inclusive) or ``above``
+    (exclusive); a value outside says the value, the rule and the fix (``fix``: a good value). The fuzzer
+    (tests/test_fuzz.py) reads these bounds to make its bad values."""
+
+    def __init__(self, kind: type, *, lo: float | None = None, above: float | None = None, fix):
+        self.kind, self.lo, self.above, self.fix = kind, lo, above, fix
+        self.__name__ = "whole number" if kind is int else "number"  # argparse names the type in its own messages
+
+    @property
+    def rule(self) -> str:
+        what = "a whole number" if self.kind is int else "a finite number"
+        return what + (f" >= {self.lo:g}" if self.lo is not None else "") + (
+            f" > {self.above:g}" if self.above is not None else "")
+
+    def __call__(self, text: str):
+        try:
+            value = self.kind(text)
+        except ValueError:
+            value = None
+        if value is None or (self.kind is float and not math.isfinite(value)) \
+                or (self.lo is not None and value < self.lo) or (self.above is not None and value <= self.above):
+            raise argparse.ArgumentTypeError(f"got {text!r}; rule: {self.rule}; fix: {self.fix}")
+        return value
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line, a command's options and ``key=value`` overrides in any order (``parse_intermixed_args``:
+    ``vramfit plan --gpu T4 lora.r=16`` as well as ``vramfit plan lora.r=16 --gpu T4``). argparse cannot mix
+    them across a parser with subcommands, so the command's own parser reads what follows the command's name."""
+    parser = build_parser()
+    if argv and argv[0] in parser.commands:
+        args = parser.commands[argv[0]].parse_intermixed_args(argv[1:])
+        args.command = argv[0]
+        return args
+    return parser.parse_args(argv)  # no command, an unknown one, or --help: argparse's own answer
 
 
 def _split_config(items: list[str]) -> tuple[str | None, list[str]]:
@@ -115,12 +172,18 @@ def cmd_profiles(args) -> int:
     if args.check:
         problems = profiles.check_all(args.dir)
         if problems:
-            print("ds_configs/ and the profile catalogue disagree:\n  " + "\n  ".join(problems)
-                  + "\nfix: run `vramfit profiles` to regenerate them", file=sys.stderr)
+            print(f"vramfit: --dir {args.dir}: {len(problems)} file(s) differ from the profile catalogue; rule: "
+                  "ds_configs/ is written from the catalogue, file for file; fix: run `vramfit profiles"
+                  + (f" --dir {args.dir}" if args.dir != profiles.DS_CONFIG_DIR else "") + "` to regenerate them:\n  "
+                  + "\n  ".join(problems), file=sys.stderr)
             return 1
         print(f"{sum(p.is_deepspeed for p in profiles.PROFILES.values())} DeepSpeed profiles in {args.dir} match the code",
               file=args.stdout)
         return 0
+    problem = folder_problem("--dir", args.dir, "a folder this user can write, for the DeepSpeed JSON files",
+                             "--dir DIR that you can write (the default is the repository's ds_configs/)")
+    if problem:
+        raise ConfigError([problem], "command line")
     for path in profiles.write_all(args.dir):
         print(f"wrote {path}", file=args.stdout)
     print(profiles.table_markdown(), file=args.stdout)
@@ -252,15 +315,61 @@ def cmd_bench(args) -> int:
 def cmd_export(args) -> int:
     from launcher.model.export import export
 
-    print(export(args.run_dir, args.out, merge=args.merge), file=args.stdout)
+    print(export(args.run_dir, args.out, merge=args.merge, base=args.base), file=args.stdout)
     return 0
 
 
 def cmd_plot(args) -> int:
     from launcher.training.plots import plot_run
 
+    _check_plot_dir(args.run_dir)
     print(plot_run(args.run_dir), file=args.stdout)
     return 0
+
+
+def _check_plot_dir(run_dir: str) -> None:
+    """``vramfit plot RUN_DIR``: a run directory with a readable memory.csv (and, when there, summary.json and
+    metrics.jsonl), where memory.png can be written; every problem at once, before anything is drawn."""
+    from launcher.training.monitor import read_csv
+
+    fix = "fix: vramfit plot runs/<run_name> (a folder vramfit train made)"
+    if not os.path.isdir(run_dir):
+        what = "a file" if os.path.exists(run_dir) else "no such folder"
+        raise ConfigError([f"RUN_DIR: got {run_dir!r}, {what}; rule: a run directory; {fix}"], "command line")
+    csv_path = os.path.join(run_dir, "memory.csv")
+    if not os.path.isfile(csv_path):
+        why = ("the run had log.memory_interval_s=0 (no memory monitor)" if os.path.isfile(
+            os.path.join(run_dir, "config.yaml")) else "not a run directory")
+        raise ConfigError([f"RUN_DIR: {run_dir!r} has no memory.csv ({why}); rule: plot draws a run's memory timeline; "
+                           f"{fix}, of a run with the memory monitor on (log.memory_interval_s > 0)"], "command line")
+    def summary(path):
+        with open(path) as fh:
+            if not isinstance(json.load(fh), dict):
+                raise ValueError("not a JSON object")
+
+    def metrics(path):
+        with open(path) as fh:
+            for i, line in enumerate(fh, 1):
+                row = json.loads(line) if line.strip() else {"step": 0, "time_s": 0}
+                if not (isinstance(row, dict) and isinstance(row.get("step"), int)
+                        and isinstance(row.get("time_s"), (int, float))):
+                    raise ValueError(f"line {i} is not a row with step and time_s")
+
+    problems = []
+    for name, read in (("memory.csv", read_csv), ("summary.json", summary), ("metrics.jsonl", metrics)):
+        path = os.path.join(run_dir, name)
+        if not os.path.exists(path):
+            continue
+        try:
+            read(path)
+        except (OSError, ValueError) as e:  # csv, JSON, float() and decoding errors are ValueErrors
+            problems.append(f"RUN_DIR: {path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:200]}); rule: "
+                            f"the {name} vramfit train wrote; fix: restore it (or move it away: the plot is drawn "
+                            "without it" + (")" if name != "memory.csv" else "; memory.csv is needed)"))
+    problems += filter(None, [folder_problem("RUN_DIR", run_dir, "memory.png is written into the run directory",
+                                             f"make it writable (chmod u+w {run_dir}), or copy the run elsewhere")])
+    if problems:
+        raise ConfigError(problems, "command line")
 
 
 def cmd_config_reference(args) -> int:
@@ -271,9 +380,10 @@ def cmd_config_reference(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vramfit", description="Fit mixed-precision fine-tuning into a small GPU.",
-                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="vramfit", description="Fit mixed-precision fine-tuning into a small GPU.",
+               epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
+    p.commands = sub.choices  # name -> the command's parser (parse_args reads a command's arguments with it)
 
     d = sub.add_parser("doctor", help="what this machine can run and how fast (GPUs, RAM, ulimit -l, DeepSpeed ops, "
                                       "calibration)")
@@ -306,10 +416,10 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--gpus", default=None, metavar="N[,N...]",
                            help="with --gpu: N cards per machine (per-rank memory, communication priced); with "
                                 "--compare-gpus: the counts to compare, e.g. 1,2,4")
-            s.add_argument("--nodes", type=int, default=1, metavar="M",
+            s.add_argument("--nodes", type=Number(int, lo=1, fix="--nodes 1"), default=1, metavar="M",
                            help="machines of --gpus cards each (default: %(default)s)")
-            s.add_argument("--network-gbps", type=float, default=None, metavar="G",
-                           help="the network between machines, Gbit/s (default: 10)")
+            s.add_argument("--network-gbps", type=Number(float, above=0, fix="--network-gbps 10"), default=None,
+                           metavar="G", help="the network between machines, Gbit/s (default: 10)")
             s.add_argument("--alternatives", action="store_true",
                            help="also when a setting fits: other ways to run the job (4-bit base, LoRA, a shorter "
                                 "sequence, a bigger card), each re-planned with its tokens/s (when nothing fits "
@@ -319,32 +429,41 @@ def build_parser() -> argparse.ArgumentParser:
     tu = sub.add_parser("tune", help="measure the planner's fastest few settings and keep the fastest measured",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     tu.add_argument("config", nargs="*", metavar="[CONFIG] [key=value ...]")
-    tu.add_argument("--top", type=int, default=3, help="settings to measure, fastest predicted first (default: %(default)s)")
+    tu.add_argument("--top", type=Number(int, lo=1, fix="--top 3"), default=3,
+                    help="settings to measure, fastest predicted first (default: %(default)s)")
     tu.add_argument("--out", default=None, metavar="FILE.yaml", help="write the fastest measured settings here")
     tu.add_argument("--dir", default="tune-out", help="where the runs and logs go (default: %(default)s)")
-    tu.add_argument("--steps", type=int, default=6, help="timed steps per setting (default: %(default)s)")
-    tu.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps (default: %(default)s)")
-    tu.add_argument("--timeout", type=float, default=1800, help="seconds per run (default: %(default)s)")
+    tu.add_argument("--steps", type=Number(int, lo=1, fix="--steps 6"), default=6,
+                    help="timed steps per setting (default: %(default)s)")
+    tu.add_argument("--warmup", type=Number(int, lo=0, fix="--warmup 2"), default=2,
+                    help="untimed warm-up steps (default: %(default)s)")
+    tu.add_argument("--timeout", type=Number(float, above=0, fix="--timeout 1800"), default=1800,
+                    help="seconds per run (default: %(default)s)")
     tu.set_defaults(fn=cmd_tune)
 
     b = sub.add_parser("bench", help="the same workload under several profiles, each in its own process")
     b.add_argument("config", nargs="*", metavar="[CONFIG] [key=value ...]")
     b.add_argument("--profiles", default=None, help="comma-separated profile names (default: every one that applies)")
     b.add_argument("--out", default="bench-out", help="output directory (default: %(default)s)")
-    b.add_argument("--steps", type=int, default=10, help="timed steps per profile (default: %(default)s)")
-    b.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps (default: %(default)s)")
+    b.add_argument("--steps", type=Number(int, lo=1, fix="--steps 10"), default=10,
+                   help="timed steps per profile (default: %(default)s)")
+    b.add_argument("--warmup", type=Number(int, lo=0, fix="--warmup 3"), default=3,
+                   help="untimed warm-up steps (default: %(default)s)")
     b.add_argument("--find", choices=("micro-batch", "model"), default=None,
                    help="per profile, find the largest micro-batch or size preset that fits the GPU budget")
     b.add_argument("--candidates", default=None,
                    help="with --find: comma-separated micro-batches or model presets to try (default: powers of two "
                         "dividing the global batch, or every size preset)")
-    b.add_argument("--timeout", type=float, default=1800, help="seconds per training run (default: %(default)s)")
+    b.add_argument("--timeout", type=Number(float, above=0, fix="--timeout 1800"), default=1800,
+                   help="seconds per training run (default: %(default)s)")
     b.set_defaults(fn=cmd_bench)
 
     e = sub.add_parser("export", help="write a standalone model from a run (merging a LoRA adapter)")
     e.add_argument("run_dir")
     e.add_argument("--out", required=True, help="directory to write (must not exist)")
     e.add_argument("--merge", action="store_true", help="merge the LoRA adapter into the base weights")
+    e.add_argument("--base", default=None, metavar="DIR",
+                   help="with --merge: the base model to merge into, where the run's model.name has moved")
     e.set_defaults(fn=cmd_export)
 
     pl = sub.add_parser("plot", help="redraw a run's memory.png from its memory.csv and metrics")
@@ -374,9 +493,17 @@ def main(argv: list[str] | None = None) -> int:
     as one rank of several (``vramfit``, ``python -m launcher`` under a launcher) ends here, past the interpreter's
     teardown (:func:`launcher.machine.dist.leave`); ``launcher/run.py`` does the same."""
     code = _main(argv)
-    if argv is None and dist.current().world > 1:
+    if argv is None and launched_ranks() > 1:
         dist.leave(code)
     return code
+
+
+def launched_ranks() -> int:
+    """The ranks the launcher's variables say, 1 where they cannot be read (``_main`` has said why, and exits 2)."""
+    try:
+        return dist.current().world
+    except dist.EnvError:
+        return 1
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -386,7 +513,7 @@ def _main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\.")
     argv_given = argv
     argv = strip_local_rank(list(sys.argv[1:] if argv is None else argv))
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     if argv_given is None and args.fn is cmd_plan:
         _planning_process()
     try:

@@ -10,7 +10,7 @@ import sys
 if __package__ in (None, ""):  # run as a file path: make the package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from launcher.cli import main  # noqa: E402
+from launcher.cli import launched_ranks, main  # noqa: E402
 
 
 def run() -> int:
@@ -19,8 +19,8 @@ def run() -> int:
 
 if __name__ == "__main__":
     code = run()
-    from launcher.machine import dist
+    if launched_ranks() > 1:  # launcher variables that cannot be read were refused by run(): one process
+        from launcher.machine import dist
 
-    if dist.current().world > 1:
         dist.leave(code)  # without the interpreter's teardown, which a gloo group can abort (dist.leave)
     sys.exit(code)

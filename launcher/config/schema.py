@@ -188,8 +188,11 @@ class LossScaleConfig:
 
 @dataclass
 class MemoryConfig:
-    gpu_budget: Any = _f("auto", "GPU memory budget in GiB, or 'auto' (free memory now minus margin).", min=0.1, auto=True)
-    cpu_budget: Any = _f("auto", "CPU RAM budget in GiB, or 'auto' (available RAM minus margin).", min=0.1, auto=True)
+    # at most 1 PiB: GiB x a budget beyond ~1e299 is a float overflow, and no machine has that much
+    gpu_budget: Any = _f("auto", "GPU memory budget in GiB, or 'auto' (free memory now minus margin).", min=0.1,
+                         max=2.0 ** 20, auto=True)
+    cpu_budget: Any = _f("auto", "CPU RAM budget in GiB, or 'auto' (available RAM minus margin).", min=0.1,
+                         max=2.0 ** 20, auto=True)
     margin: float = _f(0.1, "Safety margin taken off auto budgets (fraction).", min=0.0, max=0.9)
     offload_activations: str = _f("auto", "Activations saved for backward go to CPU memory in the forward and come "
                                   "back in the backward (with checkpointing: only the checkpointed layers' inputs); "
@@ -200,7 +203,7 @@ class MemoryConfig:
                                  "keeps what is freed in its heaps); auto = 4 with several ranks, where each rank's "
                                  "heap is held on the host (measured: 17-25% more per rank than planned without), "
                                  "glibc's own with one (fresh pages cost a CPU-computed step time); 0 = glibc's own.",
-                                 min=0, auto=True)
+                                 min=0, max=32, auto=True)  # 32: glibc's ceiling on 64-bit (mallopt refuses more)
     nvme_path: str = _f("", "A folder on a fast local disk for ZeRO-Infinity's NVMe offload profiles "
                         "(zero3-*-offload-nvme-*); empty = those profiles are off.")
 
@@ -244,7 +247,7 @@ class LogConfig:
 
 @dataclass
 class Config:
-    seed: int = _f(1234, "Seed for model init, data order and dropout.")
+    seed: int = _f(1234, "Seed for model init, data order and dropout.", min=0, max=2**32 - 1)  # numpy's range
     run_name: str = _f("", "Run directory name under output_dir; empty = <model>-<timestamp>.")
     output_dir: str = _f("runs", "Where run directories are made.")
     engine: str = _f("auto", "auto (DeepSpeed when it imports and can run the profile, else torch), deepspeed, amp, fsdp.",
@@ -339,6 +342,13 @@ def _coerce(key: str, value: Any, f: dataclasses.Field, problems: list[str]):
             out = [str(v) for v in value]
         else:
             ok = False
+    if ok and want is str and "\0" in out:  # a path with a NUL byte fails in every os call
+        problems.append(f"{key}: got {value!r}; rule: text without NUL characters; fix: {key}={out.replace(chr(0), '')!r}")
+        return None
+    if ok and want is float and not math.isfinite(out):
+        problems.append(f"{key}: got {value!r}; rule: a finite number (NaN and infinity are not settings: every "
+                        f"sum, bound and budget that meets one is NaN or infinite too); fix: {key}={_fix_value(f)}")
+        return None
     if not ok:
         kind = {bool: "true or false", int: "a whole number", float: "a number", str: "a string",
                 list: "a list of names"}.get(want if want in (bool, int, float, str) else list, str(want))
@@ -368,7 +378,24 @@ def _coerce(key: str, value: Any, f: dataclasses.Field, problems: list[str]):
         if meta.get("below") is not None and out >= meta["below"]:
             problems.append(f"{key}: got {out!r}; rule: must be < {meta['below']}; fix: {key}={f.default}")
             return None
+        if isinstance(out, int) and not -INT64 <= out < INT64:
+            problems.append(f"{key}: got {value!r}; rule: a whole number that fits 64 bits (what torch and the data "
+                            f"order take), below 2**63; fix: {key}={_fix_value(f)}")
+            return None
     return out
+
+
+INT64 = 2**63
+
+
+def _fix_value(f: dataclasses.Field):
+    """A value to offer as the fix for a number that cannot be one: the default, else 'auto', else the lower bound."""
+    default = f.default
+    if isinstance(default, (int, float)) and not isinstance(default, bool):
+        return default
+    if f.metadata.get("auto"):
+        return AUTO
+    return f.metadata.get("min") or 0
 
 
 def _build(cls, raw: dict, prefix: str, problems: list[str]):
@@ -425,9 +452,33 @@ def parse_overrides(overrides: list[str]) -> dict:
                             "fix: write KEY=VALUE (see `vramfit train --help`)")
         else:
             good.append(item)
+    parsed = []
+    for item in good:  # one at a time, so a value YAML cannot read is named
+        try:
+            parsed.append(OmegaConf.to_container(OmegaConf.from_dotlist([item])))
+        except Exception as e:  # noqa: BLE001 -- yaml's and OmegaConf's grammar errors have no common base
+            key, value = item.split("=", 1)
+            problems.append(f"{key}: got {value!r}, which YAML cannot read ({str(e).splitlines()[0]}); rule: a value "
+                            f"as YAML writes it; fix: {key}='\"{value}\"' for a string, or close the bracket or "
+                            "quote that is open")
+            continue
+        bad_key = _bad_key(parsed[-1])
+        if bad_key:
+            problems.append(f"{item.split('=', 1)[0]}: not a key; rule: dotted names of the schema (train.lr, "
+                            "data.sources); fix: remove the empty part of the name (`vramfit config-reference` "
+                            "lists every key)")
+            parsed.pop()
     if problems:
         raise ConfigError(problems, "command line")
-    return OmegaConf.to_container(OmegaConf.from_dotlist(good)) if good else {}
+    out: dict = {}
+    for p in parsed:
+        out = _merge(out, p)
+    return out
+
+
+def _bad_key(d) -> bool:
+    """A dotted name with an empty part (``train..lr``, ``.lr``) reads as a key ''."""
+    return isinstance(d, dict) and any(k == "" or _bad_key(v) for k, v in d.items())
 
 
 def with_overrides(cfg: Config, overrides: list[str]) -> Config:
@@ -451,14 +502,28 @@ def load_raw(path: str | None, overrides: list[str] | None = None) -> dict:
     raw: dict = {}
     if path:
         if not os.path.isfile(path):
-            raise ConfigError([f"config file {path!r}: not found; rule: CONFIG must be a YAML file; "
+            what = "a folder" if os.path.isdir(path) else "not found"
+            raise ConfigError([f"config file {path!r}: {what}; rule: CONFIG must be a YAML file; "
                                "fix: give an existing path, or no CONFIG for the built-in demo"])
         try:
-            loaded = OmegaConf.to_container(OmegaConf.load(path))
-        except Exception as e:  # yaml syntax errors carry line numbers
-            raise ConfigError([f"config file {path!r}: not valid YAML ({e}); fix: correct the file"]) from None
-        if loaded is None:
-            loaded = {}
+            with open(path, encoding="utf-8") as fh:
+                text = fh.read()
+        except (OSError, UnicodeDecodeError) as e:
+            why = e.strerror if isinstance(e, OSError) else f"not UTF-8 text: {e.reason} at byte {e.start}"
+            raise ConfigError([f"config file {path!r}: cannot be read ({why}); rule: CONFIG is a YAML text file this "
+                               "user can read; fix: check the path and its permissions (ls -l)"]) from None
+        # empty, or only comments (YAML reads both as no document): most likely a file not yet written, or cut short
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+        if all(ln in ("---", "...", "null", "~") for ln in lines):
+            raise ConfigError([f"config file {path!r}: empty (no keys); rule: a YAML mapping of keys, at least one; "
+                               "fix: write `key: value` lines (`vramfit config-reference` lists them), write `{}` "
+                               "for the defaults, or give no CONFIG for the built-in demo"])
+        try:
+            loaded = OmegaConf.to_container(OmegaConf.create(text))
+        except Exception as e:  # noqa: BLE001 -- yaml syntax errors (with line numbers) and OmegaConf's own
+            why = " ".join(str(e).split()) or type(e).__name__  # yaml's messages span lines; one line here
+            raise ConfigError([f"config file {path!r}: not valid YAML ({why}); rule: a YAML mapping of keys; fix: "
+                               "correct the file"]) from None
         if not isinstance(loaded, dict):
             raise ConfigError([f"config file {path!r}: top level is a {type(loaded).__name__}; "
                                "rule: a mapping of keys; fix: write `key: value` lines"])
@@ -484,6 +549,9 @@ def read_deepspeed_json(path: str) -> tuple[dict | None, str | None]:
     try:
         with open(path) as fh:
             obj = json.load(fh, object_pairs_hook=no_duplicates)
+    except OSError as e:
+        return None, (f"{where}, which cannot be read ({e.strerror}); rule: a JSON file this user can read; fix: check "
+                      "its permissions (ls -l), or deepspeed_config=\"\" for vramfit's profiles")
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError and carries line and column
         return None, f"{where}, not valid JSON ({e}); rule: a DeepSpeed config is a JSON object; fix: correct the file"
     if not isinstance(obj, dict):
@@ -595,10 +663,6 @@ def check(cfg: Config, world: int | None = None) -> list[str]:
                             f"written there; fix: a folder you can write (chmod u+w {nvme}), or memory.nvme_path=\"\"")
     problems += check_data(cfg.data)
     problems += tracker_problems(cfg.log.report_to)
-    td = cfg.log.tracker_dir
-    if td and os.path.exists(os.path.expanduser(td)) and not os.path.isdir(os.path.expanduser(td)):
-        problems.append(f"log.tracker_dir: got {td!r}, which is a file; rule: a folder the trackers write into (one "
-                        f"folder per run); fix: log.tracker_dir={td}-logs, or empty for the run directory")
     if cfg.checkpoint.resume not in ("auto", "never") and not os.path.exists(cfg.checkpoint.resume):
         problems.append(f"checkpoint.resume: got {cfg.checkpoint.resume!r}; rule: auto, never, or an existing "
                         "checkpoint directory; fix: checkpoint.resume=auto")
@@ -607,8 +671,9 @@ def check(cfg: Config, world: int | None = None) -> list[str]:
 
 def names_and_paths(cfg: Config) -> list[str]:
     """Problems of single values that need more than the schema: the profile's name (checked with the other
-    names, so every wrong one is reported at once), run_name (one directory name) and output_dir (a
-    directory that can be made and written). Checked before planning, by every command."""
+    names, so every wrong one is reported at once), run_name (one directory name), and the folders a run writes
+    (output_dir, log.tracker_dir, data.cache_dir: folders this user can make and write). Checked before planning,
+    by every command."""
     problems = []
     if cfg.profile != AUTO and cfg.profile not in PROFILES:
         close = difflib.get_close_matches(cfg.profile, list(PROFILES), n=1)
@@ -620,19 +685,34 @@ def names_and_paths(cfg: Config) -> list[str]:
         problems.append(f"run_name: got {name!r}; rule: one directory name under output_dir (no '/', not '.' or "
                         f"'..', at most 255 bytes), so a run never lands outside it; fix: run_name="
                         f"{'-'.join(parts)[:255] or 'run'} (and output_dir=DIR to choose where runs go)")
-    out = os.path.abspath(os.path.expanduser(cfg.output_dir or "."))
+    problems += filter(None, [
+        folder_problem("output_dir", cfg.output_dir or ".", "output_dir is a folder this user can write, that holds "
+                       "one folder per run", "output_dir=DIR, a folder you can write (e.g. ~/runs)"),
+        cfg.log.tracker_dir and folder_problem("log.tracker_dir", cfg.log.tracker_dir, "a folder this user can write, "
+                                               "where the trackers write one folder per run",
+                                               "log.tracker_dir=DIR that you can write, or empty for the run directory"),
+        cfg.data.cache_dir != AUTO and folder_problem("data.cache_dir", cfg.data.cache_dir, "a folder this user can "
+                                                      "write (the tokenized data is kept there)",
+                                                      "data.cache_dir=DIR that you can write, or auto")])
+    return problems
+
+
+def folder_problem(key: str, given: str, rule: str, fix: str) -> str | None:
+    """Why a folder to be made or written into at ``given`` cannot be (value, rule, fix), None when it can: the
+    nearest existing path on the way is not a folder, or this user may not write there. ``os.access`` asks the
+    kernel with this user's rights, a read-only mount included, and writes nothing (a probe file would change a
+    folder a refused command must leave as it was)."""
+    out = os.path.abspath(os.path.expanduser(given))
     there = out
-    while not os.path.exists(there) and os.path.dirname(there) != there:
+    while not os.path.lexists(there) and os.path.dirname(there) != there:
         there = os.path.dirname(there)
     if not os.path.isdir(there):
-        what = "is a file" if there == out else f"cannot be made: {there} is a file"
-        problems.append(f"output_dir: got {cfg.output_dir!r}, which {what}; rule: output_dir is a directory that "
-                        f"holds one directory per run; fix: output_dir={os.path.dirname(there) or '.'}/runs, or "
-                        "another directory")
-    elif not os.access(there, os.W_OK | os.X_OK):
-        problems.append(f"output_dir: got {cfg.output_dir!r}; rule: a directory this user can write ({there} is not "
-                        "writable here); fix: output_dir=DIR on a writable disk")
-    return problems
+        what = "which is a file" if there == out else f"which cannot be made: {there} is a file"
+        return f"{key}: got {given!r}, {what}; rule: {rule}; fix: {fix}"
+    if not os.access(there, os.W_OK | os.X_OK):
+        where = "which" if there == out else f"and {there}, the folder it would be made in,"
+        return f"{key}: got {given!r}, {where} is not writable by this user; rule: {rule}; fix: {fix}"
+    return None
 
 
 def check_data(d: DataConfig) -> list[str]:
@@ -663,6 +743,14 @@ def check_data(d: DataConfig) -> list[str]:
         problems.append(f"data.chat_template: got {d.chat_template!r}; rule: {', '.join(CHAT_TEMPLATES)} or an existing "
                         f"Jinja file; fix: data.chat_template={close[0] if close else 'auto'}")
     return problems
+
+
+def synthetic_vocab_problem(d: DataConfig, vocab_size: int) -> str | None:
+    """The synthetic task's vocabulary within the model's ``vocab_size`` (one rule for plan and train)."""
+    if d.source == "synthetic" and not d.sources and d.vocab_size > vocab_size:
+        return (f"data.vocab_size: got {d.vocab_size}; rule: the synthetic task's vocabulary must fit the model's "
+                f"({vocab_size}); fix: data.vocab_size={min(256, vocab_size)}")
+    return None
 
 
 INSTRUCTION_FORMATS = RECORD_FORMATS[2:]
@@ -714,6 +802,17 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, wor
         problems += check(cfg, world)
     if problems:
         raise ConfigError(problems)
+    return cfg
+
+
+def load_recorded(path: str) -> Config:
+    """A run's own config.yaml, as ``vramfit export`` reads it: the schema's names and types only, not the checks of
+    a new run (its output_dir, data files, trackers or DeepSpeed JSON may have moved since, and export needs none
+    of them). Raises one ConfigError naming the file."""
+    problems: list[str] = []
+    cfg = _build(Config, load_raw(path), "", problems)
+    if problems:
+        raise ConfigError(problems, f"run's {os.path.basename(path)} ({path})")
     return cfg
 
 

@@ -14,8 +14,9 @@ import sys
 from dataclasses import replace
 
 import numpy as np
+import psutil
 
-from launcher.config.schema import Config, ConfigError
+from launcher.config.schema import Config, ConfigError, synthetic_vocab_problem
 from launcher.data.cache import Settings, tokenized
 from launcher.data.files import locate
 from launcher.data.formats import DROP_REASONS, TOO_LONG, template_text
@@ -58,10 +59,16 @@ def packing_unsupported(model_config) -> str | None:
 def load_data(cfg: Config, vocab_size: int, tokenizer=None, model_config=None) -> TokenData:
     """Every training sample: the synthetic task, or the training sources tokenized (cached) and mixed."""
     if cfg.data.source == "synthetic" and not cfg.data.sources:
-        if cfg.data.vocab_size > vocab_size:
-            raise ConfigError([f"data.vocab_size: got {cfg.data.vocab_size}; rule: the synthetic task's vocabulary "
-                               f"must fit the model's ({vocab_size}); fix: data.vocab_size={min(256, vocab_size)}"])
-        return synthetic_task(cfg.data.num_samples, cfg.data.seq_len, cfg.data.vocab_size, cfg.seed)
+        problem = synthetic_vocab_problem(cfg.data, vocab_size)
+        if problem:
+            raise ConfigError([problem])
+        n, s = cfg.data.num_samples, cfg.data.seq_len
+        room = psutil.virtual_memory().available // 2
+        if n * s * 8 > room:  # int64 token ids, all in memory
+            raise ConfigError([f"data.num_samples: got {n} (x data.seq_len {s} = {n * s * 8 / 2**30:.1f} GiB of token "
+                               f"ids); rule: the synthetic task is held in memory, at most half of the "
+                               f"{2 * room / 2**30:.1f} GiB available now; fix: data.num_samples={max(16, room // (s * 8))}"])
+        return synthetic_task(n, s, cfg.data.vocab_size, cfg.seed)
     return load_sources(cfg, train_sources(cfg), vocab_size, tokenizer, model_config)
 
 

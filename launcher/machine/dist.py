@@ -86,25 +86,29 @@ _FIX = ("fix: unset RANK WORLD_SIZE LOCAL_RANK for one process, or start the ran
 
 
 def read_env(env=os.environ) -> Dist:
-    """RANK, WORLD_SIZE, LOCAL_RANK (and MASTER_PORT when set) checked together; raises EnvError listing
-    every problem. Unset variables mean one process: rank 0 of 1."""
+    """RANK, WORLD_SIZE, LOCAL_RANK (and LOCAL_WORLD_SIZE, TORCHELASTIC_RESTART_COUNT, MASTER_ADDR and MASTER_PORT
+    when set) checked together; raises EnvError listing every problem. Unset variables mean one process: rank 0
+    of 1."""
     problems: list[str] = []
 
-    def whole(name: str, default: int, lo: int) -> int | None:
+    def whole(name: str, default: int, lo: int, fix: str = _FIX) -> int | None:
         raw = env.get(name)
         if raw is None:
             return default
         try:
             v = int(raw.strip())
         except ValueError:
-            problems.append(f"{name}: got {raw!r}; rule: a whole number >= {lo}; {_FIX}")
-            return None
-        if v < lo:
-            problems.append(f"{name}: got {raw!r}; rule: a whole number >= {lo}; {_FIX}")
+            v = None
+        if v is None or v < lo:
+            problems.append(f"{name}: got {raw!r}; rule: a whole number >= {lo}; {fix}")
             return None
         return v
 
     world, rank, local = whole("WORLD_SIZE", 1, 1), whole("RANK", 0, 0), whole("LOCAL_RANK", 0, 0)
+    # read where ranks share a machine's cores, and by torchrun's restarts: checked here, so no later int() fails
+    whole("LOCAL_WORLD_SIZE", 1, 1, "fix: unset LOCAL_WORLD_SIZE (torchrun sets it: the ranks on this machine), or "
+                                    "LOCAL_WORLD_SIZE=1 for one process")
+    whole("TORCHELASTIC_RESTART_COUNT", 0, 0, "fix: unset TORCHELASTIC_RESTART_COUNT (torchrun sets it on a restart)")
     if world is not None and world > 1 and env.get("RANK") is None:
         problems.append(f"RANK: not set with WORLD_SIZE={world}; rule: each of several processes needs its rank "
                         f"(0 to {world - 1}), or it waits for the others forever; {_FIX}")
@@ -113,6 +117,10 @@ def read_env(env=os.environ) -> Dist:
     if rank is not None and local is not None and local > rank:
         problems.append(f"LOCAL_RANK: got {local} with RANK={rank}; rule: a process's rank on its machine is never "
                         f"above its rank among all processes; {_FIX}")
+    addr = env.get("MASTER_ADDR")
+    if addr is not None and not addr.strip():
+        problems.append("MASTER_ADDR: got ''; rule: the host name or address of rank 0; fix: MASTER_ADDR=127.0.0.1 on "
+                        "one machine, or unset it (one process uses 127.0.0.1)")
     port = env.get("MASTER_PORT")
     if port is not None:
         ok = port.strip().isdigit() and 1 <= int(port) <= 65535

@@ -35,7 +35,7 @@ import sys
 import time
 
 from launcher.config.profiles import PROFILES
-from launcher.config.schema import AUTO, Config, ConfigError, load_config
+from launcher.config.schema import AUTO, Config, ConfigError, folder_problem, load_config
 from launcher.data import settle_formats
 from launcher.log import logger
 from launcher.machine.files import write_atomic
@@ -403,13 +403,17 @@ OUTPUTS = ("results.json", "results.md", "results.png", "runs", "logs")
 def out_problems(out: str) -> list[str]:
     """``--out`` must be a new or empty directory: earlier results are never replaced without a word."""
     if not os.path.exists(out):
-        return []
+        return list(filter(None, [folder_problem("--out", out, "a new folder for the results, in a folder this user "
+                                                 "can write", "--out DIR where you can write")]))
     n = 2
     while os.path.exists(f"{out}-{n}"):
         n += 1
     fix = f"fix: --out {out}-{n}, or move {out} away first"
     if not os.path.isdir(out):
         return [f"--out: got {out!r}, which is a file; rule: a directory for the results; {fix}"]
+    if not os.access(out, os.W_OK | os.X_OK):
+        return [f"--out: got {out!r}, which is not writable by this user; rule: a folder this user can write; fix: "
+                "--out DIR where you can write"]
     earlier = [n for n in OUTPUTS if os.path.exists(os.path.join(out, n))]
     if earlier:
         when = ""
@@ -423,27 +427,77 @@ def out_problems(out: str) -> list[str]:
     return []
 
 
+def profile_names(text: str) -> list[str]:
+    """The items of a comma-separated option (--profiles, --candidates), spaces and empty items dropped."""
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def option_problems(steps: int, warmup: int, timeout: float, out: str, profiles: str | None, find: str | None,
+                    candidates: str | None) -> list[str]:
+    """The bench options' problems (value, rule, fix), for callers that did not come through the command line's
+    parser too (which refuses the same numbers)."""
+    problems = []
+    if not isinstance(steps, int) or steps < 1:
+        problems.append(f"--steps: got {steps!r}; rule: a whole number of timed steps, at least 1; fix: --steps 10")
+    if not isinstance(warmup, int) or warmup < 0:
+        problems.append(f"--warmup: got {warmup!r}; rule: a whole number, 0 or more; fix: --warmup 3")
+    if not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
+        problems.append(f"--timeout: got {timeout!r}; rule: a finite number of seconds > 0; fix: --timeout 1800")
+    problems += out_problems(out)
+    if profiles is not None:
+        names = profile_names(profiles)
+        bad = [p for p in names if p not in PROFILES]
+        if bad or not names:
+            problems.append(f"--profiles: got {profiles!r}" + (f", unknown: {', '.join(bad)}" if bad else "") + "; rule: "
+                            "comma-separated names from `vramfit profiles`; fix: --profiles "
+                            f"{','.join(p for p in names if p in PROFILES) or 'amp-fp32'}")
+    if candidates is not None and not find:
+        problems.append(f"--candidates: got {candidates!r} without --find; rule: candidates are what --find tries; "
+                        "fix: add --find micro-batch or --find model, or drop --candidates")
+    return problems
+
+
+def candidate_problems(find: str, candidates: str, cfg: Config) -> list[str]:
+    """``--candidates`` of ``--find``: micro-batches that split the global batch, or size presets and local model
+    folders (hub ids are not searched: each would be a download), all named before any run or lookup."""
+    items = profile_names(candidates)
+    if not items:
+        return [f"--candidates: got {candidates!r}; rule: comma-separated {find} values; fix: drop --candidates for the "
+                "default ones"]
+    if find == "micro-batch":
+        g = cfg.train.global_batch_size
+        bad = [c for c in items if not c.isdigit() or int(c) < 1 or g % int(c)]
+        if bad:
+            return [f"--candidates: got {', '.join(bad)}; rule: micro-batches, whole numbers that divide "
+                    f"train.global_batch_size={g}; fix: --candidates {','.join(map(str, micro_batch_candidates(cfg)))}"]
+        return []
+    bad = [c for c in items if c not in PRESETS and not os.path.isfile(os.path.join(os.path.expanduser(c), "config.json"))]
+    if bad:
+        return [f"--candidates: got {', '.join(bad)}; rule: size presets ({', '.join(PRESETS)}) or local model "
+                "folders with config.json (hub ids are not searched); fix: --candidates "
+                f"{','.join(c for c in items if c not in bad) or ','.join(list(PRESETS)[:3])}"]
+    return []
+
+
 def main(path: str | None, overrides: list[str], profiles: str | None = None, out: str = "bench-out", steps: int = 10,
          warmup: int = 3, find: str | None = None, timeout: float = 1800.0, candidates: str | None = None) -> int:
     """Exit 0 when at least one profile ran (or fit), 1 when none did; ConfigError (exit 2) for bad input."""
-    problems = []
-    if steps < 1:
-        problems.append(f"--steps: got {steps}; rule: at least 1 timed step; fix: --steps 10")
-    if warmup < 0:
-        problems.append(f"--warmup: got {warmup}; rule: 0 or more; fix: --warmup 3")
+    # every problem of the options and of the workload, at once, before anything runs or is looked up
+    problems = option_problems(steps, warmup, timeout, out, profiles, find, candidates)
     ignored = [o for o in overrides if o.split("=", 1)[0].strip() in OWN_KEYS[3:]]
-    problems += out_problems(out)
+    try:
+        cfg = load_config(path, overrides)
+    except ConfigError as e:
+        raise ConfigError(problems + e.problems, "bench options and configuration" if problems else "configuration") \
+            from None
+    if find and candidates:
+        problems += candidate_problems(find, candidates, cfg)
     if problems:
         raise ConfigError(problems, "bench options")
-    cfg = load_config(path, overrides)  # every problem of the workload, once, before anything runs
     hw = probe()
     base = child_overrides(overrides, OWN_KEYS)
     if profiles:
-        names = [p.strip() for p in profiles.split(",") if p.strip()]
-        bad = [p for p in names if p not in PROFILES]
-        if bad:
-            raise ConfigError([f"--profiles: unknown profile(s) {', '.join(bad)}; rule: names from `vramfit profiles`; "
-                               f"fix: --profiles {','.join(p for p in names if p in PROFILES) or 'amp-fp32'}"])
+        names = profile_names(profiles)
         precision, device = None, None
     elif cfg.profile != AUTO:  # profile=NAME among the overrides: that one
         names, precision, device = [cfg.profile], None, None
@@ -470,9 +524,9 @@ def main(path: str | None, overrides: list[str], profiles: str | None = None, ou
     t0 = time.perf_counter()
     if find:
         if find == "micro-batch":
-            cands = [int(c) for c in candidates.split(",")] if candidates else micro_batch_candidates(cfg)
+            cands = [int(c) for c in profile_names(candidates)] if candidates else micro_batch_candidates(cfg)
         else:
-            cands = [c.strip() for c in candidates.split(",")] if candidates else list(PRESETS)
+            cands = profile_names(candidates) if candidates else list(PRESETS)
         doc["settings"]["candidates"] = cands
         # memory.cpu_budget is the fit criterion, compared with the measured RSS; the runs keep the host's own check
         run_overrides = child_overrides(base, ("memory.cpu_budget",))

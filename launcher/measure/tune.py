@@ -9,13 +9,14 @@ kept with this machine's calibration (``corrections``), so later plans on this m
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
 from dataclasses import replace
 
 from launcher.config.profiles import PROFILES
-from launcher.config.schema import ConfigError, load_config, to_yaml
+from launcher.config.schema import ConfigError, folder_problem, load_config, to_yaml
 from launcher.data import settle_formats
 from launcher.log import logger
 from launcher.machine import speeds
@@ -34,20 +35,16 @@ def candidate_overrides(c: dict) -> list[str]:
 
 def tune(path: str | None, overrides: list[str], *, top: int = 3, out_yaml: str | None = None, out_dir: str = "tune-out",
          steps: int = 6, warmup: int = 2, timeout: float = 1800) -> dict:
-    problems = []  # the command line's, all at once and before anything is measured (minutes) or written
-    if top < 1:
-        problems.append(f"--top: got {top}; rule: at least 1 setting to measure; fix: --top 3")
-    if out_yaml:
-        problems += _out_yaml_problems(out_yaml)
-    if os.path.isdir(out_dir) and os.listdir(out_dir):
-        problems.append(f"--dir: {out_dir!r} holds earlier results; rule: tune never overwrites them; fix: another "
-                        "--dir, or remove it yourself")
-    elif os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        problems.append(f"--dir: got {out_dir!r}, which is a file; rule: a folder for the measurements' logs; fix: "
-                        f"--dir {out_dir}-runs")
+    # the command line's problems and the configuration's, all at once and before anything is measured (minutes),
+    # looked up or written
+    problems = option_problems(top, out_yaml, out_dir, steps, warmup, timeout)
+    try:
+        cfg = load_config(path, overrides)
+    except ConfigError as e:
+        problems += e.problems
     if problems:
         raise ConfigError(problems, "command line")
-    cfg = settle_formats(load_config(path, overrides))  # packed instruction batches are planned as they run
+    cfg = settle_formats(cfg)  # packed instruction batches are planned as they run
     hw = probe()
     machine = calibrate.load_or_calibrate()
     plan = planner.plan(cfg, hw, machine=machine)
@@ -94,6 +91,30 @@ def tune(path: str | None, overrides: list[str], *, top: int = 3, out_yaml: str 
                      f"{machine.name}: {best['step_s']:.3g} s/step\n" + to_yaml(tuned))
         doc["yaml"] = out_yaml
     return doc
+
+
+def option_problems(top, out_yaml: str | None, out_dir: str, steps, warmup, timeout) -> list[str]:
+    """tune's options (value, rule, fix), also for callers that did not come through the command line's parser."""
+    problems = []
+    for flag, value, lo, fix in (("--top", top, 1, 3), ("--steps", steps, 1, 6), ("--warmup", warmup, 0, 2)):
+        if not isinstance(value, int) or value < lo:
+            problems.append(f"{flag}: got {value!r}; rule: a whole number >= {lo}; fix: {flag} {fix}")
+    if not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
+        problems.append(f"--timeout: got {timeout!r}; rule: a finite number of seconds > 0; fix: --timeout 1800")
+    if out_yaml:
+        problems += _out_yaml_problems(out_yaml)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        problems.append(f"--dir: got {out_dir!r}, which is a file; rule: a folder for the measurements' logs; fix: "
+                        f"--dir {out_dir}-runs")
+        return problems
+    unwritable = folder_problem("--dir", out_dir, "a folder this user can write, for the measurements' runs and logs",
+                                "--dir DIR where you can write")
+    if unwritable:
+        problems.append(unwritable)
+    elif os.path.isdir(out_dir) and os.listdir(out_dir):
+        problems.append(f"--dir: {out_dir!r} holds earlier results; rule: tune never overwrites them; fix: another "
+                        "--dir, or remove it yourself")
+    return problems
 
 
 def _out_yaml_problems(out_yaml: str) -> list[str]:

@@ -158,7 +158,8 @@ def readable_checkpoint(path: str, meta) -> Checkpoint | None:
         return None
     ckpt = Checkpoint(path)
     keys = tensor_keys(meta)
-    if all(keys.get(id(t), name) in ckpt for name, t in meta.state_dict(keep_vars=True).items()):
+    if all(keys.get(id(t), name) in ckpt and ckpt.entries[keys.get(id(t), name)].dtype is not None
+           for name, t in meta.state_dict(keep_vars=True).items()):
         return ckpt
     ckpt.close()
     return None

@@ -22,26 +22,11 @@ def resolve_targets(cfg: Config, model: torch.nn.Module) -> tuple[list[str], lis
     for its ``target_parameters``); a ConfigError for names that match no linear layer, or experts asked of a
     model without them."""
     wanted = list(cfg.lora.target_modules)
+    problems = targets.problems(model, cfg.model.name, wanted, cfg.lora.experts, cfg.lora.dropout)
+    if problems:
+        raise ConfigError(problems)
     experts = targets.expert_parameters(model)
-    if cfg.lora.experts == "true" and not experts:
-        raise ConfigError([f"lora.experts: got 'true', but {cfg.model.name!r} has no expert weights (3-D parameters of "
-                           "a mixture-of-experts layer); rule: only a mixture-of-experts model has experts to adapt; "
-                           "fix: lora.experts=auto"])
-    if targets.is_all_linear(wanted) and not targets.linear_modules(model):
-        raise ConfigError([f"lora.target_modules: {cfg.model.name!r} has no linear layers besides its output "
-                           "head; rule: LoRA adapts linear layers; fix: lora.r=0 (full fine-tune)"])
-    unknown = targets.unknown(model, wanted)
-    if unknown:
-        every = targets.linear_modules(model, head=True)
-        verb = "matches" if len(unknown) == 1 else "match"
-        raise ConfigError([f"lora.target_modules: {', '.join(map(repr, unknown))} {verb} no linear layer of "
-                           f"{cfg.model.name!r}; rule: names of linear modules (or a dotted suffix of one); the "
-                           f"model's linear layers are: {', '.join(targets.leaf_names(every))}; fix: "
-                           f"lora.target_modules=all-linear, or a subset of those names"])
     chosen = targets.with_experts(wanted, cfg.lora.experts, bool(experts))
-    problem = targets.experts_problem(chosen, cfg.lora.dropout)
-    if problem:
-        raise ConfigError([problem])
     if targets.EXPERTS in chosen and not _peft_adapts_parameters():
         import peft
 

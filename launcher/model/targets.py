@@ -104,3 +104,27 @@ def for_peft(model: nn.Module, targets) -> list[str]:
     """What to hand peft's ``target_modules``: the leaf names of every adapted layer for all-linear, else the
     targets as written."""
     return leaf_names(linear_modules(model)) if is_all_linear(targets) else [t for t in targets if t != EXPERTS]
+
+
+def problems(model: nn.Module, model_name: str, target_modules, experts: str, dropout: float) -> list[str]:
+    """Why LoRA with ``lora.target_modules``, ``lora.experts`` and ``lora.dropout`` cannot run on ``model`` (each
+    with value, rule and fix; empty when it can): one rule for the plan (a meta model) and the run."""
+    wanted = list(target_modules)
+    has_experts = bool(expert_parameters(model))
+    out = []
+    if experts == "true" and not has_experts:
+        out.append(f"lora.experts: got 'true', but {model_name!r} has no expert weights (3-D parameters of a "
+                   "mixture-of-experts layer); rule: only a mixture-of-experts model has experts to adapt; fix: "
+                   "lora.experts=auto")
+    if is_all_linear(wanted) and not linear_modules(model):
+        out.append(f"lora.target_modules: {model_name!r} has no linear layers besides its output head; rule: LoRA "
+                   "adapts linear layers; fix: lora.r=0 (full fine-tune)")
+    wrong = unknown(model, wanted)
+    if wrong:
+        every = linear_modules(model, head=True)
+        verb = "matches" if len(wrong) == 1 else "match"
+        out.append(f"lora.target_modules: {', '.join(map(repr, wrong))} {verb} no linear layer of {model_name!r}; "
+                   f"rule: names of linear modules (or a dotted suffix of one); the model's linear layers are: "
+                   f"{', '.join(leaf_names(every))}; fix: lora.target_modules=all-linear, or a subset of those names")
+    problem = experts_problem(with_experts(wanted, experts, has_experts), dropout)
+    return out + ([problem] if problem else [])

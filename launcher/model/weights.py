@@ -14,6 +14,7 @@ Nothing of the file stays mapped; what the kernel caches of it is page cache, no
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -22,11 +23,13 @@ import torch
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-# safetensors' dtype names (the format's specification) -> torch
+# safetensors' dtype names (the format's specification) -> bytes per element, and the torch dtype where torch has one
+ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+              "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool}
-HEADER_LIMIT = 100 * 1024 * 1024  # the format's own limit on a header's size
+HEADER_LIMIT = 100 * 1024 * 1024  # the format's own limit on a header's size (the library refuses a larger one)
 # A full model's final/ is written in safetensors shards of at most this size (save_pretrained's max_shard_size):
 # safetensors copies a shard's GPU tensors to the CPU before it writes them, so a shard is what writing adds to the
 # host's memory (the plan's final phase counts it).
@@ -34,15 +37,19 @@ FINAL_SHARD_BYTES = 2 * 1024 ** 3
 
 
 class CheckpointError(ValueError):
-    """A checkpoint file that cannot be read as safetensors (truncated, damaged, not safetensors)."""
+    """A weights file that is not whole safetensors: ``problem`` says what is wrong, after the file's path."""
+
+    def __init__(self, path: str, problem: str):
+        super().__init__(f"{path} {problem}")
+        self.path, self.problem = path, problem
 
 
 @dataclass(frozen=True)
 class Entry:
-    """Where one tensor's bytes are: its file, dtype, shape and byte range in that file."""
+    """Where one tensor's bytes are: its file, dtype (None where torch has none), shape and byte range in that file."""
 
     file: str
-    dtype: torch.dtype
+    dtype: torch.dtype | None
     shape: tuple[int, ...]
     start: int  # absolute offset of the first byte in the file
     nbytes: int
@@ -50,45 +57,42 @@ class Entry:
 
 def read_header(path: str) -> dict[str, Entry]:
     """The tensors of one safetensors file, from its header alone (no tensor is read). Raises
-    :class:`CheckpointError` for a file that is not safetensors or whose tensors run past its end."""
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path}: {size} bytes, shorter than a safetensors header")
-            (n,) = struct.unpack("<Q", head)
-            if n > min(HEADER_LIMIT, size - 8):
-                raise CheckpointError(f"{path}: its header claims {n} bytes of a {size}-byte file (truncated or "
-                                      "not safetensors)")
+    :class:`CheckpointError` for a file that is not safetensors, or is cut short (a tensor runs past its end)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(path, f"holds {size} bytes, fewer than a safetensors header's 8 (cut short, or not "
+                                        "safetensors)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8 or n > HEADER_LIMIT:
+            raise CheckpointError(path, f"says its header is {n} bytes long, and the file holds {size} (cut short, or "
+                                        "not safetensors)")
+        try:
             meta = json.loads(f.read(n))
-    except (ValueError, UnicodeDecodeError) as e:
-        if isinstance(e, CheckpointError):
-            raise
-        raise CheckpointError(f"{path}: the header is not safetensors JSON ({str(e).splitlines()[0]})") from None
+        except ValueError as e:  # JSON errors and UnicodeDecodeError
+            raise CheckpointError(path, f"has a header that is not JSON ({str(e).splitlines()[0][:120]})") from None
     if not isinstance(meta, dict):
-        raise CheckpointError(f"{path}: the header is not a JSON object")
-    base = 8 + n
+        raise CheckpointError(path, "has a header that is not a JSON object")
+    base, data = 8 + n, size - 8 - n
     out = {}
     for name, spec in meta.items():
         if name == "__metadata__":
             continue
         try:
-            dtype = DTYPES[spec["dtype"]]
             shape = tuple(int(d) for d in spec["shape"])
             begin, end = (int(x) for x in spec["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor {name!r} has an unreadable entry {spec!r}") from None
-        numel = 1
-        for d in shape:
-            numel *= d
-        if end - begin != numel * dtype.itemsize or begin < 0:
-            raise CheckpointError(f"{path}: tensor {name!r} ({spec['dtype']} {list(shape)}) spans {end - begin} bytes, "
-                                  f"not {numel * dtype.itemsize}")
-        if base + end > size:
-            raise CheckpointError(f"{path}: tensor {name!r} ends at byte {base + end} of a {size}-byte file "
-                                  "(truncated: the copy did not finish)")
-        out[name] = Entry(path, dtype, shape, base + begin, end - begin)
+            kind = str(spec["dtype"])
+        except (TypeError, KeyError, ValueError):
+            raise CheckpointError(path, f"has a header entry for {name!r} without dtype, shape and "
+                                        "data_offsets") from None
+        if end > data or begin < 0:
+            raise CheckpointError(path, f"is cut short: tensor {name!r} ends at byte {end} of the data, and the file "
+                                        f"holds {data} bytes of data")
+        if kind in ITEM_BYTES and end - begin != math.prod(shape) * ITEM_BYTES[kind]:
+            raise CheckpointError(path, f"has tensor {name!r} of shape {list(shape)} {kind} in {end - begin} bytes "
+                                        f"(it needs {math.prod(shape) * ITEM_BYTES[kind]})")
+        out[name] = Entry(path, DTYPES.get(kind), shape, base + begin, end - begin)
     return out
 
 
@@ -107,7 +111,7 @@ class Checkpoint:
                 with open(index, encoding="utf-8") as f:
                     files = sorted(set(json.load(f)["weight_map"].values()))
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                raise CheckpointError(f"{index}: unreadable ({type(e).__name__})") from None
+                raise CheckpointError(index, f"is unreadable ({type(e).__name__})") from None
         else:
             files = [SINGLE]
         self.entries: dict[str, Entry] = {}
@@ -124,8 +128,8 @@ class Checkpoint:
         """Fill ``dest`` (any device and dtype, of the tensor's shape) with the tensor ``key``."""
         e = self.entries[key]
         if tuple(dest.shape) != e.shape:
-            raise CheckpointError(f"{e.file}: tensor {key!r} has shape {list(e.shape)}, the model's is "
-                                  f"{list(dest.shape)}")
+            raise CheckpointError(e.file, f"has tensor {key!r} of shape {list(e.shape)}, the model's is "
+                                          f"{list(dest.shape)}")
         if dest.device.type == "cpu" and dest.dtype == e.dtype and dest.is_contiguous():
             self._pread(e, dest)
             return
@@ -152,7 +156,7 @@ class Checkpoint:
         while done < e.nbytes:
             n = os.preadv(fd, [buf[done:]], e.start + done)
             if n <= 0:
-                raise CheckpointError(f"{e.file}: ended while reading {e.nbytes} bytes at {e.start} (truncated)")
+                raise CheckpointError(e.file, f"ended while {e.nbytes} bytes were read at {e.start} (cut short)")
             done += n
 
     def close(self) -> None:

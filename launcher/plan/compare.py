@@ -10,6 +10,7 @@ cost. Pure: the host calibration comes in as data.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from launcher.config.schema import Config, ConfigError
@@ -62,8 +63,9 @@ def parse_prices(text: str | None) -> dict[str, float]:
             problems.append(f"--price: got {value!r} for {name}; rule: a number of dollars per hour; fix: "
                             f"--price {name}=0.35")
             continue
-        if price < 0 or price != price:
-            problems.append(f"--price: got {value} for {name}; rule: a price is zero or more; fix: --price {name}=0.35")
+        if not math.isfinite(price) or price < 0:
+            problems.append(f"--price: got {value} for {name}; rule: a price is zero or more, and finite; fix: "
+                            f"--price {name}=0.35")
             continue
         out[spec.name] = price
     if problems:

@@ -26,12 +26,13 @@ import torch
 
 from launcher.config import user_ds_config
 from launcher.config.profiles import PROFILES, Profile, bucket_sizes, in_catalogue
-from launcher.config.schema import AUTO, Config, ConfigError, packs_samples
+from launcher.config.schema import AUTO, Config, ConfigError, packs_samples, synthetic_vocab_problem
 from launcher.machine.hardware import Hardware, pin_memory_ok
 from launcher.machine.speeds import Machine
 from launcher.model import hfconfig
 from launcher.model.loss import HeadNotPlain, head_problem
-from launcher.model.targets import ALL_LINEAR, experts_problem, with_experts
+from launcher.model.targets import ALL_LINEAR, with_experts
+from launcher.model.targets import problems as lora_problems
 from launcher.plan import availability, steptime
 from launcher.plan.availability import Availability
 from launcher.plan.memory.estimate import ActivationEstimate, compose_every, counted_activations, estimate_activations
@@ -408,11 +409,16 @@ def make_shape(cfg: Config, hw: Hardware, avail: Availability, world: int = 1, n
                links: dict | None = None) -> RunShape:
     config = hfconfig.load(cfg.model.name, cfg.model.trust_remote_code)
     hfconfig.check_seq_len(config, cfg.data.seq_len)  # plan refuses what train would
+    vocab = synthetic_vocab_problem(cfg.data, config.vocab_size) if getattr(config, "vocab_size", None) else None
+    if vocab:
+        raise ConfigError([vocab])
+    # damaged weights too (a plan for another machine may have config.json alone: absent weights are not refused)
+    hfconfig.check_weights(cfg.model.name, config, required=False, trust_remote_code=cfg.model.trust_remote_code)
     targets = with_experts(tuple(cfg.lora.target_modules) or (ALL_LINEAR,), cfg.lora.experts,
                            hfconfig.has_experts(config))
-    problem = experts_problem(targets, cfg.lora.dropout) if cfg.lora.r else None
-    if problem:
-        raise ConfigError([problem])
+    problems = _lora_problems(cfg, config) if cfg.lora.r else []
+    if problems:
+        raise ConfigError(problems)
     counts = count_params(config, cfg.lora.r, targets, cfg.model.trust_remote_code)
     device = avail.device.type
     return RunShape(config=config, counts=counts, device=device,
@@ -431,6 +437,19 @@ def make_shape(cfg: Config, hw: Hardware, avail: Availability, world: int = 1, n
                     offload_mode=cfg.memory.offload_activations,
                     nvme=hw.nvme if cfg.memory.nvme_path and hw.nvme else None, packed=packs_samples(cfg.data),
                     nodes=nodes, links=links)
+
+
+def _lora_problems(cfg: Config, config) -> list[str]:
+    """The run's LoRA rule (launcher.model.targets.problems: targets that exist, experts only where there are
+    some) on the model's meta copy, so a plan refuses what the run would; kept per model and settings."""
+    from launcher.plan.memory.shape import build_meta_model, config_key, remembered
+
+    lo = cfg.lora
+    key = ("lora_problems", config_key(config), cfg.model.name, tuple(lo.target_modules), lo.experts,
+           float(lo.dropout), bool(cfg.model.trust_remote_code))
+    return remembered(key, lambda: lora_problems(build_meta_model(config, trust_remote_code=cfg.model.trust_remote_code),
+                                                 cfg.model.name, lo.target_modules, lo.experts, lo.dropout),
+                      lambda ps: {"problems": ps}, lambda d: list(d["problems"]))
 
 
 _HEAD_PROBLEMS: dict = {}

@@ -37,7 +37,7 @@ from launcher.training import checkpoint as ckpt
 from launcher.training import generate, plots, progress, rankladder
 from launcher.training.faults import Hooks, StopRequested, diagnose
 from launcher.training.monitor import MemoryMonitor
-from launcher.training.rundir import LOCK, LockHeld, RunDir, RunLock, default_run_name
+from launcher.training.rundir import LOCK, LockHeld, RunDir, RunLock, default_run_name, failed_start, set_aside_failed_start
 from launcher.training.schedule import lr_at
 from launcher.training.startup import Startup
 from launcher.training.tracking import Trackers
@@ -229,7 +229,7 @@ def _decide(cfg: Config, hw: Hardware, ranks: dist.Dist) -> tuple[object, Config
     plan uses the speeds when `vramfit doctor --calibrate` has run, to pick the fastest predicted setting that fits
     (never measured here: a training start stays fast)."""
     hf_config = model_config(cfg)
-    hfconfig.check_weights(cfg.model.name)
+    hfconfig.check_weights(cfg.model.name, hf_config, trust_remote_code=cfg.model.trust_remote_code)
     lora.check(cfg, hf_config)  # bitsandbytes present when needed; LoRA target names exist (on a meta model)
     cfg = settle_formats(cfg)  # format auto -> what the records hold (one record read), so the plan knows the batches
     machine, why = speeds.cached()
@@ -690,6 +690,11 @@ def _resume_point(cfg: Config, rd: RunDir, explicit: bool) -> tuple[str | None, 
     """In a locked run directory: (checkpoint to resume from or None, damaged ones newer than it)."""
     if not [n for n in os.listdir(rd.path) if n != LOCK]:
         return (cfg.checkpoint.resume if explicit else None), []
+    if not explicit and failed_start(rd.path):  # nothing to resume: this start takes the directory over
+        aside = set_aside_failed_start(rd.path)
+        logger.info(f"run_name: {rd.path} holds a start that ended before its first checkpoint; this start takes it "
+                    f"over" + (f" (what that start wrote is kept in {aside})" if aside else ""))
+        return None, []
     if explicit:  # verified by _claim
         found, damaged = cfg.checkpoint.resume, []
     else:
@@ -702,7 +707,11 @@ def _resume_point(cfg: Config, rd: RunDir, explicit: bool) -> tuple[str | None, 
         raise ConfigError([f"run_name: {rd.path} already holds a run{what}; rule: a run directory is never "
                            "overwritten; fix: choose another run_name"
                            + ("" if found is None else " or checkpoint.resume=auto to continue it")])
-    summary = read_json(rd.file("summary.json")) if os.path.exists(rd.file("summary.json")) else {}
+    try:
+        summary = read_json(rd.file("summary.json")) if os.path.exists(rd.file("summary.json")) else {}
+    except (OSError, ValueError):  # cut short by a kill or a full disk: the checkpoint says how far the run got
+        summary = {}
+    summary = summary if isinstance(summary, dict) else {}
     done = max(ckpt.read_marker(found)["step"], summary.get("steps") or 0)
     if summary.get("status") == "stopped_early":
         raise ConfigError([f"run_name: {rd.path} stopped early at step {summary.get('steps')} (no lower eval loss "

@@ -106,6 +106,47 @@ class RunLock:
 
 
 # ------------------------------------------------------------------------------------------------
+# A start that failed before its first checkpoint
+
+FAILED_START = "failed-start-"  # <run>/failed-start-N/: what such a start wrote, set aside by the next start
+KEPT_ON_TAKE_OVER = (LOCK, "oom-ladder.json")  # the lock is the new start's; the OOM rung is what it goes on with
+
+
+def failed_start(path: str) -> bool:
+    """Whether the run directory ``path`` holds a start that ended before its first checkpoint: no checkpoint at all
+    (not even a damaged or half-written one), no final/, and no summary saying it finished. Such a directory holds
+    nothing to resume, so the next start with the same run_name takes it over instead of refusing it."""
+    ckpts = os.path.join(path, "checkpoints")
+    if os.path.isdir(os.path.join(path, "final")) or (os.path.isdir(ckpts) and os.listdir(ckpts)):
+        return False
+    try:
+        with open(os.path.join(path, "summary.json")) as fh:
+            status = json.load(fh).get("status")
+    except FileNotFoundError:
+        status = None
+    except (OSError, ValueError, AttributeError):  # cut short, or not a summary: not a finished run's either
+        status = "unreadable"
+    return status not in ("completed", "stopped_early")
+
+
+def set_aside_failed_start(path: str) -> str | None:
+    """Move what a failed start wrote in ``path`` into ``path/failed-start-N/`` (kept for a look: its log lines,
+    metrics and diagnosis), so the next start writes into a clean run directory; the lock and an OOM ladder record
+    stay. Returns the folder (None when there was nothing to move)."""
+    names = [n for n in os.listdir(path) if n not in KEPT_ON_TAKE_OVER and not n.startswith(FAILED_START)]
+    if not names:
+        return None
+    n = 1 + sum(1 for x in os.listdir(path) if x.startswith(FAILED_START))
+    while os.path.exists(os.path.join(path, f"{FAILED_START}{n}")):
+        n += 1
+    aside = os.path.join(path, f"{FAILED_START}{n}")
+    os.mkdir(aside)
+    for name in names:
+        os.rename(os.path.join(path, name), os.path.join(aside, name))
+    return aside
+
+
+# ------------------------------------------------------------------------------------------------
 # The run directory
 
 
