@@ -52,7 +52,7 @@ def build(cfg, spec, model, hw: Hardware, hidden_size: int, lr: float, materiali
     n_train = sum(p.numel() for g in groups for p in g["params"])
     levers = make_levers(spec, hw)
     if spec.engine == "deepspeed":
-        pin, why = pin_memory_ok(hw, 16 * n_train) if spec.profile.offloads else (False, "")
+        pin, why = engine_pinning(spec, hw, 16 * n_train) if spec.profile.offloads else (False, "")
         if spec.profile.offloads:
             logger.info(f"pin_memory {'on' if pin else 'off'}: {why}")
         swap = ""  # a swap folder of vramfit's (catalogue NVMe profiles); a user's deepspeed_config names its own
@@ -84,7 +84,7 @@ def build(cfg, spec, model, hw: Hardware, hidden_size: int, lr: float, materiali
                                optimizer=client, levers=levers, swap_folder=swap,
                                materializer=materializer if sharded else None), ds_config
     if spec.engine == "fsdp":
-        pin, why = pin_memory_ok(hw, 8 * n_train)  # the fp32 weight and gradient shards FSDP keeps on the CPU
+        pin, why = engine_pinning(spec, hw, 8 * n_train)
         logger.info(f"pin_memory {'on' if pin else 'off'}: {why}")
         return FsdpEngine(model, precision=spec.precision, device=spec.device, lr=lr, betas=betas, eps=t.eps,
                           weight_decay=t.weight_decay, grad_clip=t.grad_clip, loss_scale=cfg.loss_scale,
@@ -92,6 +92,20 @@ def build(cfg, spec, model, hw: Hardware, hidden_size: int, lr: float, materiali
     return AmpEngine(model, precision=spec.precision, device=spec.device, param_groups=groups, lr=lr, betas=betas,
                      eps=t.eps, grad_clip=t.grad_clip, loss_scale=cfg.loss_scale, optimizer=t.optimizer,
                      levers=levers), None
+
+
+def engine_pinning(spec, hw: Hardware, unplanned_bytes: int) -> tuple[bool, str]:
+    """Whether the engine page-locks its CPU buffers: as the plan's row decided (it pins only where what the
+    pinned allocator holds fits the host's budget) and where ``ulimit -l`` and free RAM allow the bytes it pins;
+    ``unplanned_bytes`` where the run has no plan row for its profile."""
+    row = spec.plan.get(spec.profile.name) if spec.plan is not None else None
+    if row is None:
+        return pin_memory_ok(hw, unplanned_bytes)
+    if not row.pin_memory:
+        return False, ("no CUDA device: pinned memory brings nothing" if spec.device.type != "cuda" else
+                       "the plan pins nothing: what torch's pinned allocator would hold does not fit the host's budget "
+                       "beside the rest (the copies are priced as pageable)")
+    return pin_memory_ok(hw, row.pinned_bytes)
 
 
 def offload_pinning(spec, hw: Hardware) -> tuple[bool, str]:

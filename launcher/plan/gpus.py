@@ -405,6 +405,9 @@ def hardware(spec: GPUSpec, host_hw: Hardware, ram_gib: float | None = None) -> 
                        fp16=supports_fp16(cap), bf16=supports_bf16(cap))]
     if ram_gib is not None:
         hw.ram_total_bytes = hw.ram_available_bytes = int(ram_gib * GiB)
+    # the rented host's `ulimit -l`, not this machine's: GPU images are run with the limit lifted (docker's
+    # --ulimit memlock=-1, as NVIDIA's containers ask), so the plan pins where the RAM allows
+    hw.memlock_limit_bytes = None
     return hw
 
 

@@ -27,7 +27,7 @@ import torch
 from launcher.config import user_ds_config
 from launcher.config.profiles import PROFILES, Profile, bucket_sizes, in_catalogue
 from launcher.config.schema import AUTO, Config, ConfigError, packs_samples, synthetic_vocab_problem
-from launcher.machine.hardware import Hardware, pin_memory_ok
+from launcher.machine.hardware import Hardware
 from launcher.machine.speeds import Machine
 from launcher.model import hfconfig
 from launcher.model.loss import HeadNotPlain, head_problem
@@ -36,6 +36,8 @@ from launcher.model.targets import problems as lora_problems
 from launcher.plan import availability, steptime
 from launcher.plan.availability import Availability
 from launcher.plan.memory.estimate import ActivationEstimate, compose_every, counted_activations, estimate_activations
+from launcher.plan.memory.host import PHASES as HOST_PHASES
+from launcher.plan.memory.host import export_bytes, host_phases, pinned_total
 from launcher.plan.memory.shape import count_params
 from launcher.plan.memory.states import (
     ALLOCATOR_SLACK,
@@ -91,6 +93,11 @@ class ProfilePlan:
     reduce_bucket_size: int | None = None  # DeepSpeed on one rank: the gradient bucket the run gets (elements)
     checkpoint_bytes: int = 0  # one checkpoint on disk (trainable weights, optimizer state, loop state)
     final_bytes: int = 0  # final/ on disk (the adapter, or the whole model)
+    host_phases: dict = field(default_factory=dict)  # {setup|train|checkpoint|final: {part: bytes}} of the host
+    host_peak_phase: str = "train"  # the host phase whose total is cpu_bytes
+    pin_memory: bool = False  # the engine's CPU buffers page-locked (a GPU run where they fit the host's budget)
+    pinned_bytes: int = 0  # what torch's pinned allocator holds for them (blocks rounded up to powers of two)
+    export_bytes: int = 0  # host peak of `vramfit export --merge` afterwards (0: nothing to merge)
 
     @property
     def setting(self) -> str:
@@ -301,9 +308,9 @@ def _plan_profile(p: Profile, run: RunShape, micro_batch: int, gpu_budget: int, 
     on_gpu = run.device == "cuda"
     # Model states alone over a budget: report that lower bound without tracing activations.
     states_gpu = max(_phase_total(st["gpu_fb"]), _phase_total(st["gpu_step"]))
-    states_cpu = runtime + max(st["cpu_load"], _phase_total(st["cpu"]))
+    states_cpu = runtime + _phase_total(st["cpu"])
     if not on_gpu:
-        states_cpu = runtime + max(st["cpu_load"], _phase_total(st["cpu"]) + states_gpu)
+        states_cpu = runtime + _phase_total(st["cpu"]) + states_gpu
     over = (on_gpu and states_gpu > gpu_budget) or states_cpu > cpu_budget
     fb = dict(st["gpu_fb"])
     lower_bound = False
@@ -340,12 +347,17 @@ def _plan_profile(p: Profile, run: RunShape, micro_batch: int, gpu_budget: int, 
         add_part(cpu_states, "allocator_slack", ALLOCATOR_SLACK * tensor_peak)
     if est is not None and est.offloaded:  # CPU copies of saved activations (pinned when the run pins)
         add_part(cpu_states, "offloaded_activations", est.offloaded)
-    add_part(cpu_parts, "runtime", runtime)
-    if st["cpu_load"] > _phase_total(cpu_states):  # loading the model on the CPU is the larger moment
-        add_part(cpu_parts, "model_load", st["cpu_load"])
-    else:
-        for part, n in cpu_states.items():
-            add_part(cpu_parts, part, n)
+    # The host's phases (set-up, training, checkpoint, final/): the plan's CPU peak is the largest. Pinned memory as
+    # torch's pinned allocator holds it; where that does not fit the budget and pageable memory would, the setting
+    # pins nothing and its copies are priced as pageable (launcher.plan.memory.host).
+    pin = pinned and on_gpu
+    host = host_phases(p, run, st, cpu_states, runtime=runtime, pin=pin, accumulation=accumulation)
+    if pin and max(map(_phase_total, host.values())) > cpu_budget:
+        unpinned = host_phases(p, run, st, cpu_states, runtime=runtime, pin=False, accumulation=accumulation)
+        if max(map(_phase_total, unpinned.values())) <= cpu_budget:
+            pin, host = False, unpinned
+    host_peak = max(HOST_PHASES, key=lambda ph: _phase_total(host[ph]))
+    cpu_parts = dict(host[host_peak])
     gpu_bytes, cpu_bytes = _phase_total(gpu_parts), _phase_total(cpu_parts)
     disk_parts = dict(st["disk"])
     disk_bytes = _phase_total(disk_parts)
@@ -374,13 +386,16 @@ def _plan_profile(p: Profile, run: RunShape, micro_batch: int, gpu_budget: int, 
                       accumulation=accumulation, why_not=why, gpu_tensor_bytes=tensor_peak if on_gpu else 0,
                       peak_phase=peak_phase, phases=phases if on_gpu else {}, lower_bound=lower_bound,
                       checkpointing=run.checkpointing, checkpoint_every=run.checkpoint_every if run.checkpointing else 1,
-                      chunked_loss=run.chunked_loss, offload_activations=run.offload_activations)
+                      chunked_loss=run.chunked_loss, offload_activations=run.offload_activations,
+                      host_phases=host, host_peak_phase=host_peak, pin_memory=pin,
+                      pinned_bytes=pinned_total(p, run, st, accumulation) if pin else 0,
+                      export_bytes=_phase_total(export_bytes(p, run, CPU_RUNTIME_BYTES["cpu"])))
     on_disk = files_on_disk(p, run.counts, run.lora_r, run.optimizer)
     row.checkpoint_bytes, row.final_bytes = on_disk["checkpoint"], on_disk["final"]
     row.activations_counted = est.counted if est is not None else None
     if machine is not None and est is not None and not est.counted:  # no trace, no ops to price
         t = steptime.predict(p, machine, ops=ops_of(est, run), counts=run.counts, micro_batch=micro_batch,
-                             accumulation=accumulation, seq_len=run.seq_len, world=run.world, pinned=pinned,
+                             accumulation=accumulation, seq_len=run.seq_len, world=run.world, pinned=pin,
                              optimizer=run.optimizer, lora=run.lora_r > 0,
                              activation_copy_bytes=est.offload_copied if est.offloaded else 0,
                              disk=run.nvme if p.nvme else None, nodes=run.nodes, links=run.links)
@@ -509,7 +524,9 @@ def plan(cfg: Config, hw: Hardware, profiles: list[str] | None = None, *, world:
         names = [avail.user.profile.name]
         if asked == AUTO and avail.user.micro_batch:
             asked = avail.user.micro_batch
-    pinned, _why = pin_memory_ok(hw, 16 * run.counts.trainable) if run.device == "cuda" else (False, "")
+    # pinning allowed here (a CUDA host); each setting pins where what it pins fits the host's budget (_plan_profile),
+    # and the engine checks `ulimit -l` against the bytes (launcher.engines.engine_pinning)
+    pinned = run.device == "cuda" and hw.has_cuda
     searched = []
     for n in names:
         p = avail.profile(n)

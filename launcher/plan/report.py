@@ -51,7 +51,13 @@ def format_table(plan: Plan) -> str:
         for side in ("gpu", "cpu"):
             if c.parts.get(side):
                 parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in sorted(c.parts[side].items(), key=lambda kv: -kv[1]))
-                lines.append(f"  {side.upper()} GiB: {parts}")
+                lines.append(f"  {side.upper()} GiB: {parts}" + (f" (the {c.host_peak_phase} phase)" if side == "cpu"
+                                                                   and c.host_phases else ""))
+        if c.host_phases:
+            lines.append("  host GiB by phase: " + ", ".join(f"{ph} {sum(p.values()) / GiB:.2f}"
+                                                           for ph, p in c.host_phases.items())
+                         + (f"; pinned {c.pinned_bytes / GiB:.2f} as torch's allocator holds it" if c.pin_memory
+                            else "") + (f"; export --merge later {c.export_bytes / GiB:.2f}" if c.export_bytes else ""))
         if c.time_parts:
             lines.append("  step s: " + ", ".join(f"{k} {v:.3g}" for k, v in sorted(c.time_parts.items(),
                                                                                      key=lambda kv: -kv[1])))

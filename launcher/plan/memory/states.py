@@ -113,7 +113,7 @@ def add_part(d: dict, part: str, n: float):
 
 
 def model_states(p: Profile, run: RunShape, accumulation: int) -> dict:
-    """Model-state bytes of profile ``p``: {"gpu_fb", "gpu_step", "cpu", "cpu_load"} part dicts (no activations).
+    """Model-state bytes of profile ``p``: {"gpu_fb", "gpu_step", "cpu", "disk"} part dicts (no activations).
 
     "gpu_*" is the device the model computes on (the CPU itself when there is no GPU).
     """
@@ -147,7 +147,6 @@ def model_states(p: Profile, run: RunShape, accumulation: int) -> dict:
     if p.engine == "amp":
         wb = weight_dtype(p.engine, p.precision, lora).itemsize
         w = frozen_bytes(wb) + 4 * c.adapters if lora else wb * base
-        load = w
         for d in (fb, step):
             add_part(d, "weights", w)
             add_part(d, "optimizer_states", opt * trainable)
@@ -166,7 +165,6 @@ def model_states(p: Profile, run: RunShape, accumulation: int) -> dict:
         # rank no stage partitions anything, and each keeps 16-bit weights, a gradient copy and fp32 master +
         # Adam moments (stage 1 in DeepSpeed's ZeRO-1/2 optimizer itself; stage 0 in its bf16/fp16 optimizer).
         w = (base + c.adapters) * cd if lora else base * cd
-        load = w
         bucket_bytes = 2 * rb * cd  # ipg double buffer (overlap_comm)
         for d in (fb, step):
             add_part(d, "weights", w)
@@ -195,7 +193,6 @@ def model_states(p: Profile, run: RunShape, accumulation: int) -> dict:
         prefetch = p.prefetch_bucket_size if p.prefetch_bucket_size is not None else b["stage3_prefetch_bucket_size"]
         small = c.small_params
         live = (c.largest_module + prefetch) * cd + small * cd
-        load = (base + c.adapters) * cd
         for d in (fb, step):
             add_part(d, "weights", live)
         add_part(fb, "gradients", min(c.largest_module, trainable) * cd)
@@ -234,12 +231,11 @@ def model_states(p: Profile, run: RunShape, accumulation: int) -> dict:
         add_part(fb, "gradients", largest_trainable_unit * (cd + 4))
         # a LoRA base in 16 bits (launcher.precision.weight_dtype), the trainable weights fp32 masters
         params = frozen_bytes(weight_dtype(p.engine, p.precision, True).itemsize) + 4 * c.adapters if lora else 4 * base
-        load = params
         add_part(cpu, "weights", params / shard_params)
         add_part(cpu, "gradients", 4 * trainable / shard_grads)
         add_part(cpu, "optimizer_states", 8 * trainable / shard_opt)
     else:
         raise ValueError(f"no memory model for profile {p.name}")
-    return {"gpu_fb": fb, "gpu_step": step, "cpu": cpu, "cpu_load": int(load), "disk": disk}
+    return {"gpu_fb": fb, "gpu_step": step, "cpu": cpu, "disk": disk}
 
 
