@@ -117,8 +117,9 @@ class DeepSpeedEngine:
                 st = op_state(name, ninja)
                 if st.compiles:  # a JIT build is never silent: minutes on a small machine
                     logger.info(st.notice())
-        if not torch.distributed.is_initialized():
-            deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+        # always: where the process group was made before (launcher.machine.dist), this only hands it to
+        # DeepSpeed's comm layer, which zero.Init below reads the world size from (it says 1 without it)
+        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
         self.ds_config = ds_config
         self.device = device
         self.levers = levers
