@@ -11,6 +11,7 @@ from launcher.config.schema import ConfigError, load_config
 from launcher.machine.hardware import GPUInfo, Hardware
 from launcher.model.loss import HeadNotPlain, causal_lm_loss, chunk_rows, head_problem
 from launcher.plan import planner
+from launcher.plan.report import format_table
 from launcher.plan.memory.trace import measure_step
 from launcher.units import GiB
 
@@ -327,6 +328,13 @@ def test_planner_moves_offloaded_activations_to_the_cpu_and_picks_offload_last(t
     assert row.fits and row.offload_activations and row.checkpointing and "activations offloaded" in row.setting
     roomy = planner.plan(load_config(None, base), fake_hw(gpu_gib=80), ["amp-bf16"]).get("amp-bf16")
     assert roomy.fits and not roomy.offload_activations
+    # the offload variant fails on the host budget: the setting without it is still tried, and fits
+    host = (a.cpu_bytes + b.cpu_bytes) / 2 / GiB
+    tight = planner.plan(load_config(None, [*base, "model.gradient_checkpointing=true", f"memory.cpu_budget={host:.3f}",
+                                            f"memory.gpu_budget={a.gpu_bytes / GiB + 1:.3f}"]),
+                         fake_hw(gpu_gib=80), ["amp-bf16"]).get("amp-bf16")
+    assert tight.fits and not tight.offload_activations and tight.cpu_bytes == a.cpu_bytes
+    assert "+ act. offload" in format_table(on) and "+ act. offload" not in format_table(off)
 
 
 # ------------------------------------------------------------------------------------------------

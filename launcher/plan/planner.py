@@ -670,7 +670,13 @@ def _best_setting(p: Profile, run: RunShape, cfg: Config, asked, gpu_budget: int
             return rows[i].fits
 
         hi = upto - 1
-        if not fits(hi):
+        if not fits(hi) and hi > 0 and options[hi][2] and not options[hi - 1][2]:
+            # activation offload added on top of the most recompute: the least GPU memory, but host memory more
+            # (the offloaded activations), so when it fails the settings without it may still fit
+            hi -= 1
+            if not fits(hi):
+                return None, rows[upto - 1]
+        elif not fits(hi):
             return None, rows[hi]
         if hi == 0 or fits(0):
             return 0, rows[0]

@@ -30,6 +30,7 @@ def format_table(plan: Plan) -> str:
     body = []
     for r in plan.profiles:
         ckpt = "off" if not r.checkpointing else ("all" if r.checkpoint_every == 1 else f"every {r.checkpoint_every}")
+        ckpt += " + act. offload" if r.offload_activations else ""
         body.append([r.profile + (" *" if r.profile == plan.chosen else ""),
                      "-" if r.device == "cpu" else (">=" if r.lower_bound else "") + f"{r.gpu_bytes / GiB:.2f}",
                      (">=" if r.lower_bound else "") + f"{r.cpu_bytes / GiB:.2f}",
