@@ -147,6 +147,9 @@ def test_the_heap_gives_freed_memory_back_with_several_ranks(monkeypatch):
 
     assert heap.threshold_mib("auto", 1) == 0 and heap.threshold_mib("auto", 2) == 4.0
     assert heap.threshold_mib(16, 1) == 16.0 and heap.threshold_mib(0, 4) == 0.0
+    # one process whose planned host peak leaves the heap little room: fixed too
+    assert heap.threshold_mib("auto", 1, 0.8) == 4.0 and heap.threshold_mib("auto", 1, 0.5) == 0.0
+    assert heap.threshold_mib(0, 1, 0.99) == 0.0  # the user's 0 stands
     assert heap.fix_mmap_threshold(0) == "glibc's default mmap threshold"
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     assert heap.fix_mmap_threshold(4) == "MALLOC_MMAP_THRESHOLD_=65536 from the environment"

@@ -11,8 +11,8 @@ from launcher.config.schema import ConfigError, load_config
 from launcher.machine.hardware import GPUInfo, Hardware
 from launcher.model.loss import HeadNotPlain, causal_lm_loss, chunk_rows, head_problem
 from launcher.plan import planner
-from launcher.plan.report import format_table
 from launcher.plan.memory.trace import measure_step
+from launcher.plan.report import format_table
 from launcher.units import GiB
 
 QUIET = ["log.memory_interval_s=0", "checkpoint.save=false"]

@@ -11,14 +11,19 @@ what a process holds then depends on its history, not on the moment the plan cou
 per-rank/): FSDP2 and ZeRO-3 offload peaked 17-25% above their plans per rank; with the threshold fixed at 4 MiB
 (per-rank-heap/ there) within 1-15% of them.
 
+One process keeps the same way: llama-1b LoRA on ``fsdp-bf16-offload`` on the CPU held 4.2 GiB where its plan
+said 3.25, and 3.05 with the threshold fixed (``scripts/validate_host_memory.py``, bench/results/
+2026-12-05-cpu-epyc/host-memory/).
+
 ``memory.mmap_threshold_mib`` fixes it (glibc's ``mallopt(M_MMAP_THRESHOLD)``, what its
 ``MALLOC_MMAP_THRESHOLD_`` variable does before a process starts; fixing it also stops its rise). ``auto``
 fixes it at 4 MiB when several ranks train, where each rank's heap is held once per rank on a host's RAM, and
-leaves glibc's default to a single process: blocks of 4 MiB and more then come from fresh pages at each step,
-which costs time where the CPU computes the step (``scripts/bench_heap.py``, one rank: FSDP2's step 18% and 37%
-longer in two rounds; the other engines' differences were within this 2-core box's noise). 0 leaves glibc's
-default; a ``MALLOC_MMAP_THRESHOLD_`` in the environment is the user's choice and wins. Nothing is done where
-the C library is not glibc.
+for a single process whose planned host peak takes more than :data:`TIGHT_SHARE` of the host budget (what the
+heap would keep on top may not fit); otherwise it leaves glibc's default: blocks of 4 MiB and more then come
+from fresh pages at each step, which costs time where the CPU computes the step (``scripts/bench_heap.py``, one
+rank: FSDP2's step 18% and 37% longer in two rounds; the other engines' differences were within this 2-core
+box's noise). 0 leaves glibc's default; a ``MALLOC_MMAP_THRESHOLD_`` in the environment is the user's choice and
+wins. Nothing is done where the C library is not glibc.
 """
 
 from __future__ import annotations
@@ -29,14 +34,19 @@ import platform
 import sys
 
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h
-SEVERAL_RANKS_MIB = 4.0  # memory.mmap_threshold_mib=auto with several ranks
+SEVERAL_RANKS_MIB = 4.0  # memory.mmap_threshold_mib=auto with several ranks, or a tight host budget
+# auto with one process: the planned host peak's share of the host budget above which the threshold is fixed (the
+# heap kept up to 29% more than the plan in the measurement above: past this share that may not fit)
+TIGHT_SHARE = 0.75
 ENV = "MALLOC_MMAP_THRESHOLD_"
 
 
-def threshold_mib(setting, world: int) -> float:
-    """The threshold ``memory.mmap_threshold_mib`` asks for with ``world`` ranks (0: glibc's default)."""
+def threshold_mib(setting, world: int, host_share: float | None = None) -> float:
+    """The threshold ``memory.mmap_threshold_mib`` asks for with ``world`` ranks (0: glibc's default);
+    ``host_share``: the planned host peak over the host budget, where a plan was made."""
     if setting == "auto":
-        return SEVERAL_RANKS_MIB if world > 1 else 0.0
+        tight = host_share is not None and host_share > TIGHT_SHARE
+        return SEVERAL_RANKS_MIB if world > 1 or tight else 0.0
     return float(setting)
 
 

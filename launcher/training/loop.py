@@ -152,6 +152,11 @@ def prepare(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.
     asked = cfg  # what a checkpoint compares on resume: the settings as the user gave them
     hf_config, cfg, spec, machine = _decide(cfg, hw, ranks)
     startup.lap("plan")
+    share = _host_share(spec.plan)
+    if ranks.world == 1 and cfg.memory.mmap_threshold_mib == "auto" and heap.threshold_mib("auto", 1, share) > 0:
+        # the plan leaves the heap too little room: from here on (before the model is made) big blocks go back
+        done = heap.fix_mmap_threshold(heap.threshold_mib("auto", 1, share))
+        logger.info(f"heap: {done} (the planned host peak is {share:.0%} of the host budget)")
     tokenizer = load_tokenizer(cfg)
     train_data, eval_data = load_splits(cfg, hf_config.vocab_size, tokenizer, hf_config)
     startup.lap("data")
@@ -222,6 +227,13 @@ def _threads(cfg: Config, ranks: dist.Dist) -> threads.Threads:
     logger.info(f"threads: {th.intra_op} intra-op ({th.reason}); OMP_WAIT_POLICY {th.wait_policy}; data workers "
                 f"{th.data_workers} (batches are cut from tokens in memory in the loop's thread)")
     return th
+
+
+def _host_share(plan) -> float | None:
+    """The chosen setting's planned host peak over the plan's host budget (None without a plan or a choice)."""
+    if plan is None or plan.chosen_plan is None or not plan.budget.get("cpu_bytes"):
+        return None
+    return plan.chosen_plan.cpu_bytes / plan.budget["cpu_bytes"]
 
 
 def _decide(cfg: Config, hw: Hardware, ranks: dist.Dist) -> tuple[object, Config, RunSpec, object]:
