@@ -108,13 +108,17 @@ def test_compare_over_counts_says_when_more_cards_do_not_pay():
     from launcher.machine.hardware import probe
 
     cfg = load_config(None, ["model.name=tiny", "data.seq_len=64", "train.global_batch_size=8"])
-    rows = compare.compare(cfg, probe(), fake_host(), {"T4": 0.35}, counts=[1, 2], network_gbps=10)
+    hw = probe()
+    rows = compare.compare(cfg, hw, fake_host(), {"T4": 0.35}, counts=[1, 2], network_gbps=10)
     t4 = {r.count: r for r in rows if r.gpu == "T4"}
     assert set(t4) == {1, 2} and t4[2].price_per_hour == pytest.approx(0.70)
     # a tiny model: the second card is all communication and cost
     assert t4[2].note and ("slower" in t4[2].note or "cost" in t4[2].note)
     text = compare.table(rows, cfg.train.max_steps)
     assert "cards" in text.splitlines()[0] and "note" in text.splitlines()[0]
+    # the host RAM a box of N cards needs: N ranks' planned host peaks
+    two = compare.plan_on(cfg, gpus.find("T4"), hw, fake_host(), 2, network_gbps=10, exact_rows=False).chosen_plan
+    assert t4[2].host_gib == pytest.approx(2 * two.cpu_bytes / 2**30) and "host GiB" in text.splitlines()[0]
     with pytest.raises(ConfigError, match="split evenly"):
         compare.check_counts(cfg, [3], 1)
 

@@ -36,6 +36,7 @@ class GpuRow:
     cost: float | None
     why_not: str | None
     note: str = ""  # e.g. more cards that are slower or dearer than one
+    host_gib: float | None = None  # host RAM the machine's ranks need together (each rank's planned peak x cards)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -137,7 +138,8 @@ def compare(cfg: Config, host_hw: Hardware, host: Machine, prices: dict[str, flo
                                step_s=c.step_s if c else None, tokens_per_s=c.tokens_per_s if c else None, hours=hours,
                                price_per_hour=price * cards if price is not None else None,
                                cost=price * cards * hours if price is not None and hours is not None else None,
-                               why_not=None if c else p.reason))
+                               why_not=None if c else p.reason,
+                               host_gib=c.cpu_bytes * count / 2**30 if c is not None else None))
         fewest = next((r for r in mine if r.fits), None)
         for r in mine:
             if r is fewest or not r.fits or fewest is None:
@@ -152,14 +154,15 @@ def compare(cfg: Config, host_hw: Hardware, host: Machine, prices: dict[str, flo
 
 def table(rows: list[GpuRow], max_steps: int) -> str:
     several = any(r.count * r.nodes > 1 for r in rows)
-    head = ["GPU"] + (["cards"] if several else []) + ["GiB", "fits", "setup", "tokens/s",
+    head = ["GPU"] + (["cards"] if several else []) + ["GiB", "host GiB", "fits", "setup", "tokens/s",
                                                        f"hours ({max_steps} steps)", "USD/h", "cost USD"]
     if any(r.note for r in rows):
         head.append("note")
     body = []
     for r in rows:
         cards = [f"{r.count}" + (f" x {r.nodes} nodes" if r.nodes > 1 else "")] if several else []
-        line = [r.gpu, *cards, f"{r.memory_gib:.1f}", "yes" if r.fits else "no",
+        line = [r.gpu, *cards, f"{r.memory_gib:.1f}", f"{r.host_gib:.1f}" if r.host_gib is not None else "-",
+                "yes" if r.fits else "no",
                 f"{r.profile}, {r.precision}, {r.setting}" if r.fits else (r.why_not or "")[:90],
                 f"{r.tokens_per_s:.0f}" if r.tokens_per_s else "-", f"{r.hours:.2f}" if r.hours else "-",
                 "-" if r.price_per_hour is None else f"{r.price_per_hour:.2f}",
