@@ -6,6 +6,10 @@ states are larger than the process's own runtime), then each rank's RSS high-wat
 
     python scripts/validate_ranks.py --out bench/results/DATE-MACHINE/per-rank [--ranks 1,2,4] [--profiles ...] \
         [--heap-mib 0]   # memory.mmap_threshold_mib for every run (0: glibc's own heap, as before it was set)
+    python scripts/validate_ranks.py --out ... --model llama-1b --lora 16 --ranks 1,2   # one box, one copy
+
+The last column is what the ranks of a run hold together against one rank alone on the same profile (a box that
+held a whole copy of the model per rank would show about the number of ranks).
 
 Writes ``per_rank.json`` and ``per_rank.md`` (a table) to ``--out``.
 """
@@ -39,14 +43,16 @@ def make_model(path: str) -> str:
     return path
 
 
-def run(out: str, model: str, profile: str, ranks: int, timeout: float = 900, heap_mib: str | None = None) -> dict:
+def run(out: str, model: str, profile: str, ranks: int, timeout: float = 900, heap_mib: str | None = None,
+        lora: int = 0) -> dict:
     from helpers.procs import torchrun
 
     name = f"{profile}-{ranks}"
     args = [f"model.name={model}", f"profile={profile}", "train.max_steps=3", "train.warmup_steps=1",
             "train.micro_batch_size=1", "train.global_batch_size=4", "data.seq_len=64", "data.num_samples=64",
             "sample_tokens=0", "device=cpu", f"output_dir={out}", f"run_name={name}", "checkpoint.save=false",
-            "log.memory_interval_s=0", *([f"memory.mmap_threshold_mib={heap_mib}"] if heap_mib is not None else [])]
+            "log.memory_interval_s=0", *([f"memory.mmap_threshold_mib={heap_mib}"] if heap_mib is not None else []),
+            *([f"lora.r={lora}"] if lora else [])]
     t = time.perf_counter()
     r = torchrun(ranks, os.path.join(ROOT, "launcher", "run.py"), *args, timeout=timeout)
     if r.returncode:
@@ -58,16 +64,26 @@ def run(out: str, model: str, profile: str, ranks: int, timeout: float = 900, he
             "errors": [planned / m - 1 for m in measured], "wall_s": round(time.perf_counter() - t, 1)}
 
 
+def together(rows: list[dict]) -> None:
+    """Each row's ranks' measured peaks together over one rank's alone on the same profile (where it ran)."""
+    alone = {r["profile"]: r["measured_bytes"][0] for r in rows if r["status"] == "ok" and r["ranks"] == 1}
+    for r in rows:
+        if r["status"] == "ok" and r["profile"] in alone:
+            r["together_over_one"] = sum(r["measured_bytes"]) / alone[r["profile"]]
+
+
 def markdown(rows: list[dict]) -> str:
-    lines = ["| profile | ranks | planned per rank MiB | measured per rank MiB | error (planned / measured - 1) |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = ["| profile | ranks | planned per rank MiB | measured per rank MiB | error (planned / measured - 1) | "
+             "ranks together / one rank alone |", "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['profile']} | {r['ranks']} | - | failed | - |")
+            lines.append(f"| {r['profile']} | {r['ranks']} | - | failed | - | - |")
             continue
+        ratio = r.get("together_over_one")
         lines.append(f"| {r['profile']} | {r['ranks']} | {r['planned_bytes'] / MiB:.0f} | "
                      + ", ".join(f"{m / MiB:.0f}" for m in r["measured_bytes"]) + " | "
-                     + ", ".join(f"{e:+.1%}" for e in r["errors"]) + " |")
+                     + ", ".join(f"{e:+.1%}" for e in r["errors"]) + " | "
+                     + (f"{ratio:.2f}" if ratio is not None else "-") + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -76,19 +92,23 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--ranks", default="1,2,4")
     ap.add_argument("--profiles", default=",".join(PROFILES))
+    ap.add_argument("--model", default=None, help="a preset or model directory (default: a 45M Llama made here)")
+    ap.add_argument("--lora", type=int, default=0, help="lora.r for every run (0: full fine-tuning)")
     ap.add_argument("--heap-mib", default=None,
                     help="memory.mmap_threshold_mib for the runs (0: glibc's default heap); default: the setting's")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="validate-ranks-")  # the model and the run directories: not results
-    model = make_model(os.path.join(work, "model"))
+    model = a.model or make_model(os.path.join(work, "model"))
     rows = []
     for profile in a.profiles.split(","):
         for n in (int(x) for x in a.ranks.split(",")):
-            rows.append(run(work, model, profile, n, heap_mib=a.heap_mib))
+            rows.append(run(work, model, profile, n, heap_mib=a.heap_mib, lora=a.lora))
+            together(rows)
             print(markdown(rows[-1:]).splitlines()[-1], flush=True)
     with open(os.path.join(a.out, "per_rank.json"), "w") as f:
-        json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "mmap_threshold_mib": a.heap_mib or "auto", "rows": rows}, f, indent=1)
+        json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "mmap_threshold_mib": a.heap_mib or "auto",
+                   "model": a.model or "llama-45m (made here)", "lora_r": a.lora, "rows": rows}, f, indent=1)
     with open(os.path.join(a.out, "per_rank.md"), "w") as f:
         f.write(markdown(rows))
     print(markdown(rows))
