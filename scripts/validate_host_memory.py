@@ -33,11 +33,16 @@ PROFILES = ("amp-fp32", "amp-bf16", "zero2-bf16", "zero2-bf16-offload-opt", "fsd
 GiB = 2 ** 30
 
 
+def refused(error: str) -> bool:
+    """The run was refused before it started because its plan does not fit (a result, not a failure)."""
+    return any(s in error for s in ("does not fit", "nothing fits", "rule: planned host memory must fit"))
+
+
 def run_case(model: str, kind: str, profile: str, out: str, extra: list[str]) -> dict:
     name = f"{model}-{kind}-{profile}"
     args = [f"model.name={model}", f"profile={profile}", "data.seq_len=128", "train.max_steps=2",
             "train.warmup_steps=0", "train.micro_batch_size=1", "train.global_batch_size=2", "sample_tokens=0",
-            "data.num_samples=64", f"output_dir={out}", f"run_name={name}", "log.memory_interval_s=0.5",
+            "data.num_samples=64", "checkpoint.keep_last=1", f"output_dir={out}", f"run_name={name}", "log.memory_interval_s=0.5",
             *(["lora.r=16"] if kind == "lora" else []), *extra]
     if profile.endswith("bf16") or "bf16-" in profile:
         args.append("precision=bf16")
@@ -52,7 +57,7 @@ def run_case(model: str, kind: str, profile: str, out: str, extra: list[str]) ->
         tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
         row["error"] = " | ".join(tail)
         # a case the plan refuses (nothing fits) is a result too: say so
-        row["refused"] = any("does not fit" in t or "nothing fits" in t for t in tail)
+        row["refused"] = refused(row["error"])
         return row
     summary = json.load(open(os.path.join(rd, "summary.json")))
     plan = json.load(open(os.path.join(rd, "plan.json")))
@@ -78,7 +83,8 @@ def table(rows: list[dict]) -> str:
     lines = [head, "| --- | --- | --- | ---: | ---: | ---: | --- | ---: |"]
     for r in rows:
         if r["rc"] != 0:
-            why = "the plan says it does not fit here" if r.get("refused") else f"failed: {r.get('error', '')[:120]}"
+            error = r.get("error", "")
+            why = "the plan says it does not fit here" if r.get("refused") or refused(error) else f"failed: {error[-160:]}"
             lines.append(f"| {r['model']} | {r['kind']} | {r['profile']} | - | - | - | {why} | - |")
             continue
         phases = ", ".join(
