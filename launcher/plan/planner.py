@@ -404,7 +404,7 @@ def _plan_profile(p: Profile, run: RunShape, micro_batch: int, gpu_budget: int, 
     if machine is not None and est is not None and not est.counted:  # no trace, no ops to price
         t = steptime.predict(p, machine, ops=ops_of(est, run), counts=run.counts,
                              micro_batch=micro_batch * run.rows_per_sample,
-                             reference_share=REFERENCE_SHARE if run.reference_pass else 0.0,
+                             reference_share=reference_share(run) if run.reference_pass else 0.0,
                              accumulation=accumulation, seq_len=run.seq_len, world=run.world, pinned=pin,
                              optimizer=run.optimizer, lora=run.lora_r > 0,
                              activation_copy_bytes=est.offload_copied if est.offloaded else 0,
@@ -414,11 +414,14 @@ def _plan_profile(p: Profile, run: RunShape, micro_batch: int, gpu_budget: int, 
     return row
 
 
-# DPO's live reference is one more forward of the micro-batch, without gradients (launcher.model.preference). The
-# trace prices forward + backward; with LoRA the backward runs the frozen base's input gradients (one forward's
-# matmuls again) and only the adapters' small weight gradients, so the forward is about half of it (the 2N / 4N
-# FLOPs per token of a full backward, Kaplan et al. 2020, shrink to 2N / 2N).
-REFERENCE_SHARE = 0.5
+def reference_share(run: RunShape) -> float:
+    """DPO's live reference is one more forward of the micro-batch, without gradients (launcher.model.preference),
+    priced as a share of the traced compute. The trace prices forward + backward (+ the recompute of checkpointed
+    layers); with LoRA the backward runs the frozen base's input gradients (one forward's matmuls again) and only
+    the adapters' small weight gradients (the 2N / 4N FLOPs per token of a full backward, Kaplan et al. 2020,
+    shrink to 2N / 2N), so a forward is 1/2 of it, and 1/3 with every layer recomputed."""
+    recomputed = 1.0 / run.checkpoint_every if run.checkpointing else 0.0
+    return 1.0 / (2.0 + recomputed)
 
 
 def _micro_batch_candidates(run: RunShape, asked) -> list[int]:
@@ -575,6 +578,8 @@ def plan(cfg: Config, hw: Hardware, profiles: list[str] | None = None, *, world:
         chosen, tie = simplest_within_error(fitting, avail)
     every = sorted((c for row, cands in searched if row.available for c in cands), key=order)
     reason = _reason(chosen, pool, rows, cfg, gpu_budget, cpu_budget, run) + (f"; {tie}" if tie else "")
+    if chosen is not None and cfg.task == "dpo":
+        reason += "; " + _reference_line(cfg, chosen)
     out = Plan(profiles=rows, chosen=chosen.profile if chosen else None, reason=reason,
                budget={"gpu_bytes": gpu_budget, "cpu_bytes": cpu_budget, "gpu_source": sources["gpu"],
                        "cpu_source": sources["cpu"]},
@@ -845,6 +850,22 @@ def _reason(chosen, pool, rows, cfg, gpu_budget, cpu_budget, run) -> str:
     if cfg.deepspeed_config:
         text = f"{chosen.profile} from deepspeed_config {cfg.deepspeed_config} fits: " + text.split(": ", 1)[1]
     return text
+
+
+def _reference_line(cfg: Config, row) -> str:
+    """What DPO's reference costs in the chosen setting, and what the other choice would (neither adds memory: the
+    reference pass runs before the policy's forward and frees what it made; precompute keeps 8 bytes per pair)."""
+    ref = (row.time_parts or {}).get("reference_forward")
+    if reference_mode(cfg) == "precompute":
+        return ("DPO reference: precomputed before training (one no-grad forward over the pairs, 8 bytes each in the "
+                "run directory), no reference pass per step")
+    if ref is None:
+        return ("DPO reference: the adapter switched off, one more no-grad forward per micro-batch (no second model); "
+                "preference.reference=precompute runs it once per pair before training instead")
+    per_pair = ref / max(1, cfg.train.global_batch_size)
+    return (f"DPO reference: the adapter switched off, {ref:.3g} s of each step ({ref * cfg.train.max_steps:.0f} s "
+            f"over {cfg.train.max_steps} steps, no second model); preference.reference=precompute: about "
+            f"{per_pair:.3g} s per pair once before training, then none")
 
 
 def _model_summary(cfg: Config, run: RunShape) -> dict:
