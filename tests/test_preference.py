@@ -24,7 +24,7 @@ from launcher.training.faults import Hooks
 # a short LoRA DPO run on the synthetic pairs (global batch 16 of 256 pairs, sequences of 32 tokens)
 PREF = ["task=dpo", "lora.r=8", "train.max_steps=16", "train.warmup_steps=2", "train.micro_batch_size=8",
         "train.global_batch_size=16", "data.seq_len=32", "data.num_samples=256", "log.every_steps=1000",
-        "sample_tokens=0", "log.report_to=none"]
+        "sample_tokens=0", "log.report_to=none", "memory.cpu_budget=4"]
 
 
 def _logps(n=6, seed=0):
@@ -237,7 +237,7 @@ def test_sft_then_dpo_from_the_command_line(tmp_path):
     """vramfit train (SFT, LoRA) then vramfit train task=dpo model.adapter=RUN/final: both complete, the DPO run
     starts from the SFT adapter (its reference precomputed from it: the first loss is ln 2)."""
     common = [f"output_dir={tmp_path}", "data.num_samples=256", "data.seq_len=32", "train.global_batch_size=16",
-              "sample_tokens=0", "log.report_to=none", f"train.threads={THREADS}"]
+              "sample_tokens=0", "log.report_to=none", f"train.threads={THREADS}", "memory.cpu_budget=4"]
     sft = run_cli("train", *common, "run_name=sft", "lora.r=8", "train.max_steps=10")
     assert sft.returncode == 0, sft.stderr[-2000:]
     dpo = run_cli("train", *common, "run_name=dpo", "task=dpo", f"model.adapter={tmp_path}/sft/final",

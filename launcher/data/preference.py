@@ -146,11 +146,6 @@ class PreferenceData:
 
         return part(perm[n_eval:], "train"), part(perm[:n_eval], "eval")
 
-    # what the sample after training and the diagnosis read
-    @property
-    def input_ids(self) -> torch.Tensor:
-        return self.batch(list(range(min(len(self), 64))), with_ref=False)["input_ids"]
-
 
 # ----------------------------------------------------------------------------------------------
 # The built-in task
