@@ -16,8 +16,8 @@ of its completion tokens and their count (:func:`sequence_logps`); the losses ar
 - SimPO (Meng et al. 2024, arXiv:2405.14734, eq. 6): ``-log sigmoid(beta * (ac - ar) - gamma)`` on per-token
   averaged log-probs; no reference.
 
-The DPO reference: with ``adapter_off`` the same forward runs first under ``torch.no_grad`` inside peft's
-``disable_adapter()`` (the frozen base: no second model, no gradients, no saved activations); with
+The DPO reference: with ``adapter_off`` the same forward runs first under ``torch.no_grad`` with peft's adapter
+layers disabled (:func:`adapter_off`: the frozen base; no second model, no gradients, no saved activations); with
 ``precompute`` the batch carries ``ref_logps`` (computed once before training, :func:`reference_logps`).
 
 Rewards, the margin and the preference accuracy of each training micro-batch are added to :class:`Stats`, which
@@ -100,12 +100,26 @@ def _peft(model):
     return m if hasattr(m, "disable_adapter") else None
 
 
+@contextlib.contextmanager
 def adapter_off(model):
-    """A context in which ``model`` computes as its frozen base (peft's ``disable_adapter``)."""
+    """A context in which ``model`` computes as its frozen base: every peft adapter layer's own "disabled" flag set,
+    which is what peft's ``disable_adapter()`` sets for LoRA, without its switching the adapters' ``requires_grad``
+    off and on again (FSDP2's sharded parameters do not survive that: the next backward's gradients come back in
+    the wrong dtype). The layers then run their base layer alone."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
     peft_model = _peft(model)
     if peft_model is None:
         raise ValueError("preference.reference=adapter_off needs a LoRA (peft) model")
-    return peft_model.disable_adapter()
+    layers = [m for m in peft_model.modules() if isinstance(m, BaseTunerLayer)]
+    before = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, was in zip(layers, before):
+            m._disable_adapters = was
 
 
 def forward_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
