@@ -219,8 +219,8 @@ def test_orpo_simpo_and_full_dpo_learn(tmp_path, task, extra):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("profile,tol", [pytest.param("zero2-fp32", 1e-5, marks=needs_deepspeed),
-                                         pytest.param("zero2-bf16", 2e-2, marks=needs_deepspeed),
-                                         ("fsdp-bf16-offload", 2e-2)])
+                                         pytest.param("zero2-bf16", 2e-3, marks=needs_deepspeed),
+                                         ("fsdp-bf16-offload", 2e-3)])
 def test_dpo_on_the_other_engines_follows_amp(tmp_path, profile, tol):
     """The preference loss goes through the engines' one forward_loss: DeepSpeed (CPU accelerator) and FSDP2 give
     AMP's DPO curve (fp32 within 1e-5 relative; bf16 within its rounding)."""
