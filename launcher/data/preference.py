@@ -266,6 +266,7 @@ def tokenized_pairs(src: Source, cfg: Config, tokenizer):
     tmp = f"{final}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
+    datasets.disable_progress_bars()  # vramfit's own line says what was made
     try:
         raw = read_records(src, cfg.data.encoding, os.path.join(tmp, "hf"))
         missing = [f for f in (src.prompt_field, "chosen", "rejected") if f not in raw.column_names]

@@ -238,8 +238,7 @@ def _decide(cfg: Config, hw: Hardware, ranks: dist.Dist) -> tuple[object, Config
     hf_config = model_config(cfg)
     hfconfig.check_weights(cfg.model.name, hf_config, trust_remote_code=cfg.model.trust_remote_code)
     lora.check(cfg, hf_config)  # bitsandbytes present when needed; LoRA target names exist (on a meta model)
-    if cfg.task == "causal_lm":  # preference pairs have one layout (launcher.data.preference)
-        cfg = settle_formats(cfg)  # format auto -> what the records hold (one record read), so the plan knows the batches
+    cfg = settle_formats(cfg)  # format auto -> what the records hold (one record read), so the plan knows the batches
     machine, why = speeds.cached()
     if why:
         logger.warning(why)
