@@ -234,6 +234,22 @@ def test_dpo_on_the_other_engines_follows_amp(tmp_path, profile, tol):
 
 
 @pytest.mark.slow
+def test_the_oom_ladder_keeps_the_dpo_curve(tmp_path):
+    """An OOM injected in step 3 halves the micro-batch (8 -> 4 pairs, accumulation 2 -> 4): the run goes on, the
+    step's half-accumulated work (and its preference statistics) is dropped, and the curve is the one without the
+    OOM (fp32, within 1e-5 relative: only the order of the sums changes)."""
+    from helpers import oom_hook
+
+    _, plain = run_inprocess(tmp_path, *PREF, "run_name=plain", "train.max_steps=6", fast=False)
+    summary, rows = run_inprocess(tmp_path, *PREF, "run_name=oom", "train.max_steps=6", hooks=oom_hook([2]),
+                                  fast=False)
+    assert [f["to"]["micro_batch"] for f in summary["fallbacks"]] == [4]
+    mx, _ = compare(losses(rows), losses(plain), "DPO after an OOM vs without")
+    assert mx <= 1e-5
+    assert [r["preference_accuracy"] for r in rows] == pytest.approx([r["preference_accuracy"] for r in plain])
+
+
+@pytest.mark.slow
 def test_sft_then_dpo_from_the_command_line(tmp_path):
     """vramfit train (SFT, LoRA) then vramfit train task=dpo model.adapter=RUN/final: both complete, the DPO run
     starts from the SFT adapter (its reference precomputed from it: the first loss is ln 2)."""
