@@ -156,13 +156,13 @@ def test_lora_dpo_learns_the_synthetic_preferences(tmp_path):
 def test_precomputed_reference_gives_the_same_curve_without_a_reference_pass(tmp_path, monkeypatch):
     """reference=precompute: the same loss curve as the live adapter-off reference within 1e-5 (fp32), and no
     reference pass while training (switching the adapter off would raise)."""
-    _, live = run_inprocess(tmp_path, *PREF, "run_name=live", "train.max_steps=8", fast=False)
+    _, live = run_inprocess(tmp_path, *PREF, "run_name=live", "train.max_steps=5", fast=False)
 
     def no(_model):
         raise AssertionError("a reference pass ran while training")
 
     monkeypatch.setattr(P, "adapter_off", no)
-    summary, pre = run_inprocess(tmp_path, *PREF, "run_name=pre", "train.max_steps=8",
+    summary, pre = run_inprocess(tmp_path, *PREF, "run_name=pre", "train.max_steps=5",
                                  "preference.reference=precompute", fast=False)
     assert summary["reference"] == "precompute"
     assert os.path.isfile(os.path.join(summary["run_dir"], "reference_logps.pt"))
