@@ -67,6 +67,14 @@ EXAMPLES = {
         Command("vramfit train configs/lora-alpaca.yaml data.source=broken.jsonl"),
         Command("vramfit train configs/lora-alpaca.yaml data.source=examples/data/alpaca.jsonl"),
     )),
+    "preference": Example("docs/preference.md", (
+        Command("vramfit train lora.r=8 data.seq_len=32 data.num_samples=512 train.max_steps=60 run_name=sft",
+                keep_steps=(1, 30)),
+        Command("vramfit train task=dpo model.adapter=runs/sft/final data.seq_len=32 data.num_samples=512 "
+                "train.max_steps=40 run_name=dpo", keep_steps=(1, 10, 20)),
+        Command("vramfit plan --gpu T4 model.name=examples/configs/llama-3.1-8b task=dpo lora.r=16 "
+                "model.quantize=4bit data.seq_len=1024 memory.cpu_budget=32", streams="stdout"),
+    )),
     "steptime-advice": Example("docs/steptime.md", (Command(
         "vramfit plan --gpu RTX3090 model.name=examples/configs/qwen2.5-14b lora.r=16 data.seq_len=2048 "
         "memory.cpu_budget=32 train.micro_batch_size=8", streams="stdout"),)),
@@ -84,6 +92,8 @@ QUICK = {
     "vramfit train": "vramfit train train.max_steps=12 log.every_steps=10",
     "run_name=alpaca-lora": "run_name=alpaca-lora train.max_steps=4 train.warmup_steps=1 train.eval_every=2",
     "train.max_steps=30": "train.max_steps=3 train.warmup_steps=1",
+    "run_name=sft": "run_name=sft train.max_steps=4 train.warmup_steps=1",
+    "run_name=dpo": "run_name=dpo train.max_steps=4 train.warmup_steps=1",
 }
 
 STEP = re.compile(r"^\[vramfit\] step (\d+)/(\d+) \|")

@@ -28,8 +28,9 @@ project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 top = [Requirement(r) for r in project["dependencies"]]
 GPU_ONLY = {"kernels"}  # Triton kernels: installable only with CUDA, so neither locked nor checked here
 TRACKERS = {"wandb", "mlflow"}  # optional trackers, the user's choice of version: not locked either
+PARITY = {"parity"}  # TRL, installed by hand for the preference-loss parity tests: not locked
 for extra, reqs in project.get("optional-dependencies", {}).items():
-    if extra not in GPU_ONLY | TRACKERS:
+    if extra not in GPU_ONLY | TRACKERS | PARITY:
         top += [Requirement(r) for r in reqs]
 
 pins, missing = {}, []

@@ -48,8 +48,10 @@ def test_dockerfile_installs_the_pyproject_dependency_set():
     declared = {_name(r) for r in meta["dependencies"]}
     optional = {k: {_name(r) for r in v} for k, v in meta["optional-dependencies"].items()}
     names, extras = _pip_installs(open(DOCKERFILE).read())
-    # the optional trackers (log.report_to) are the user's choice, neither locked nor in the image
-    assert extras == set(optional) - {"test", "wandb", "mlflow"}, f"the image should install every runtime extra, got {extras}"
+    # the optional trackers (log.report_to) are the user's choice, neither locked nor in the image; parity is TRL, for
+    # the preference-loss tests only
+    assert extras == set(optional) - {"test", "wandb", "mlflow", "parity"}, \
+        f"the image should install every runtime extra, got {extras}"
     everything = declared | set().union(*optional.values())
     assert names <= everything, f"installed by name but not declared in pyproject.toml: {names - everything}"
     assert "torch" in names and "CPUAdamBuilder().load()" in open(DOCKERFILE).read()

@@ -27,7 +27,7 @@ LOCK_FLOORED_EXTRAS = ("deepspeed", "quant")
 # CUDA-only extras: nothing of them installs on a CPU machine, so the lock cannot pin them (see pyproject.toml)
 GPU_ONLY_EXTRAS = ("kernels",)
 # Optional trackers (log.report_to): the user's choice of version, neither locked nor floored (see pyproject.toml)
-UNLOCKED_EXTRAS = (*GPU_ONLY_EXTRAS, "wandb", "mlflow")
+UNLOCKED_EXTRAS = (*GPU_ONLY_EXTRAS, "wandb", "mlflow", "parity")  # parity: TRL, for tests/test_preference.py
 
 
 def pins(path: str) -> dict[str, Requirement]:

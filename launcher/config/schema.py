@@ -69,6 +69,9 @@ class ModelConfig:
     compile: bool = _f(False, "torch.compile each decoder layer (AMP and FSDP paths); the first steps pay the "
                        "compilation.")
     liger: bool = _f(False, "Liger's Triton kernels for RMSNorm, RoPE and SwiGLU (CUDA only; needs liger-kernel).")
+    adapter: str = _f("", "A LoRA adapter folder to start from (an SFT run's RUN/final): its weights replace the new "
+                      "adapter's initial ones; lora.r, alpha, dropout and target_modules come from its "
+                      "adapter_config.json unless given (and must then agree).")
 
 
 @dataclass
@@ -217,6 +220,31 @@ class LossConfig:
                       choices=("auto", "on", "off"))
 
 
+TASKS = ("causal_lm", "dpo", "orpo", "simpo")
+PREFERENCE_TASKS = TASKS[1:]
+REFERENCES = ("auto", "adapter_off", "precompute")
+DEFAULT_BETA = {"dpo": 0.1, "orpo": 0.1, "simpo": 2.0}  # TRL's DPO and ORPO defaults; SimPO paper's smallest tuned
+
+
+@dataclass
+class PreferenceConfig:
+    """Preference tuning (``task=dpo|orpo|simpo``): the loss's settings and DPO's reference."""
+
+    beta: Any = _f(AUTO, "Strength of the preference term: DPO's KL weight, ORPO's odds-ratio weight (lambda), "
+                   "SimPO's reward scale; auto = 0.1 for dpo and orpo, 2.0 for simpo.", above=0.0, max=1e4,
+                   auto=True, number=float)
+    loss_type: str = _f("sigmoid", "DPO's loss: sigmoid (the DPO paper), ipo (squared, per-token averaged log-ratios, "
+                        "as TRL), hinge (SLiC).", choices=("sigmoid", "ipo", "hinge"))
+    gamma: float = _f(0.5, "SimPO's target reward margin (TRL's simpo_gamma; the paper's gamma/beta ratio x beta).",
+                      min=0.0, max=100.0)
+    reference: str = _f("auto", "DPO's reference log-probs: adapter_off (the LoRA base with the adapter switched off, "
+                        "one no-grad forward per step, no second model), precompute (computed once before training "
+                        "from the starting weights and kept in the run directory; no reference pass while training), "
+                        "auto (adapter_off for a new LoRA adapter, else precompute).", choices=REFERENCES)
+    max_prompt_len: Any = _f(AUTO, "Prompt tokens kept (the end of the prompt, as TRL); the completion is cut to "
+                             "data.seq_len minus the prompt; auto = half of data.seq_len.", min=1, auto=True, number=int)
+
+
 @dataclass
 class CheckpointConfig:
     every_steps: int = _f(0, "Save a checkpoint every N steps (0 = only at the end).", min=0)
@@ -261,6 +289,8 @@ class Config:
     device: str = _f("auto", "auto (cuda when available), cuda or cpu.", choices=("auto", "cuda", "cpu"))
     sample_prompt: str = _f("", "Text to generate from after training (empty = a prompt from the data).")
     sample_tokens: int = _f(32, "Tokens generated for the sample after training (0 = none).", min=0)
+    task: str = _f("causal_lm", "What is trained: causal_lm (next-token loss), or preference tuning on prompt/chosen/"
+                   "rejected pairs: dpo, orpo, simpo (docs/preference.md).", choices=TASKS)
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -268,6 +298,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -663,6 +694,7 @@ def check(cfg: Config, world: int | None = None) -> list[str]:
             problems.append(f"memory.nvme_path: got {nvme!r}, not writable by this user; rule: the swap files are "
                             f"written there; fix: a folder you can write (chmod u+w {nvme}), or memory.nvme_path=\"\"")
     problems += check_data(cfg.data)
+    problems += preference_problems(cfg)
     problems += tracker_problems(cfg.log.report_to)
     if cfg.checkpoint.resume not in ("auto", "never") and not os.path.exists(cfg.checkpoint.resume):
         problems.append(f"checkpoint.resume: got {cfg.checkpoint.resume!r}; rule: auto, never, or an existing "
@@ -746,6 +778,111 @@ def check_data(d: DataConfig) -> list[str]:
     return problems
 
 
+def reference_mode(cfg: Config) -> str:
+    """Where a run's reference log-probs come from: ``none`` (causal LM, ORPO, SimPO: no reference), ``adapter_off``
+    (the LoRA policy with its adapter switched off, each step) or ``precompute`` (once, before training).
+    ``auto``: adapter_off for a new LoRA adapter; precompute for full fine-tuning (no second model is ever built)
+    and from a loaded adapter (whose starting point, not the bare base, is the reference)."""
+    if cfg.task != "dpo":
+        return "none"
+    if cfg.preference.reference != AUTO:
+        return cfg.preference.reference
+    return "adapter_off" if cfg.lora.r > 0 and not cfg.model.adapter else "precompute"
+
+
+def preference_beta(cfg: Config) -> float:
+    """``preference.beta``, auto resolved per task."""
+    b = cfg.preference.beta
+    return float(DEFAULT_BETA.get(cfg.task, 0.1) if b == AUTO else b)
+
+
+def prompt_budget(cfg: Config) -> int:
+    """Prompt tokens a preference sample keeps (``preference.max_prompt_len``, auto = half of seq_len)."""
+    m = cfg.preference.max_prompt_len
+    return max(1, cfg.data.seq_len // 2 if m == AUTO else min(int(m), cfg.data.seq_len - 1))
+
+
+def preference_problems(cfg: Config) -> list[str]:
+    """The rules of ``task`` and ``preference.*`` against the rest of the config (value, rule, fix)."""
+    p, out = cfg.preference, []
+    if cfg.task == "causal_lm":
+        return out
+    if cfg.loss.chunked == "on":
+        out.append(f"loss.chunked: got 'on' with task={cfg.task}; rule: a preference loss needs each sequence's "
+                   "per-token log-probs, which the chunked loss never forms; fix: loss.chunked=auto (off for "
+                   "preference tasks)")
+    if cfg.data.sources:
+        out.append(f"data.sources: given with task={cfg.task}; rule: preference pairs come from one source "
+                   "(data.source: a JSONL/JSON/parquet file or folder with prompt, chosen and rejected, a hub id, or "
+                   "synthetic); fix: data.source=<your pairs>")
+    if cfg.data.format not in ("auto",):
+        out.append(f"data.format: got {cfg.data.format!r} with task={cfg.task}; rule: preference records are read "
+                   "by their prompt/chosen/rejected fields; fix: data.format=auto")
+    if cfg.task != "dpo":
+        if p.reference != AUTO:
+            out.append(f"preference.reference: got {p.reference!r} with task={cfg.task}; rule: {cfg.task} has no "
+                       "reference model; fix: preference.reference=auto, or task=dpo")
+        if p.loss_type != "sigmoid":
+            out.append(f"preference.loss_type: got {p.loss_type!r} with task={cfg.task}; rule: the loss variants "
+                       "are DPO's; fix: preference.loss_type=sigmoid, or task=dpo")
+    if cfg.task == "dpo" and p.reference == "adapter_off":
+        if cfg.lora.r == 0:
+            out.append("preference.reference: got 'adapter_off' with lora.r=0; rule: switching the adapter off "
+                       "gives the reference only when a LoRA adapter is trained on a frozen base; fix: "
+                       "preference.reference=precompute (full fine-tuning: computed once, no second model), or "
+                       "lora.r=16")
+        elif cfg.model.adapter:
+            out.append(f"preference.reference: got 'adapter_off' with model.adapter={cfg.model.adapter}; rule: with "
+                       "the adapter off the reference would be the bare base, not the model you start from; fix: "
+                       "preference.reference=precompute (the loaded adapter's log-probs, computed once)")
+    if isinstance(p.max_prompt_len, int) and p.max_prompt_len >= cfg.data.seq_len:
+        out.append(f"preference.max_prompt_len: got {p.max_prompt_len} with data.seq_len={cfg.data.seq_len}; rule: "
+                   "the completion needs room after the prompt; fix: preference.max_prompt_len="
+                   f"{cfg.data.seq_len // 2}")
+    return out
+
+
+ADAPTER_KEYS = {"r": "r", "alpha": "lora_alpha", "dropout": "lora_dropout", "target_modules": "target_modules"}
+
+
+def with_adapter(cfg: Config, given: dict, problems: list[str]) -> None:
+    """``model.adapter``: its adapter_config.json fills the ``lora.*`` keys the user did not give (``given``: the
+    raw lora section) and must agree with the ones given; problems go to ``problems``."""
+    path = os.path.expanduser(cfg.model.adapter)
+    conf = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(conf) or not os.path.isfile(os.path.join(path, "adapter_model.safetensors")):
+        problems.append(f"model.adapter: got {cfg.model.adapter!r}, which holds no adapter_config.json and "
+                        "adapter_model.safetensors; rule: a peft LoRA adapter folder (a LoRA run's final/); fix: "
+                        "model.adapter=RUN_DIR/final")
+        return
+    try:
+        with open(conf) as fh:
+            ac = json.load(fh)
+    except (OSError, ValueError) as e:
+        problems.append(f"model.adapter: {conf} does not read as JSON ({e}); rule: peft's adapter_config.json; "
+                        "fix: the final/ folder of a LoRA run")
+        return
+    if ac.get("peft_type", "LORA") != "LORA" or not isinstance(ac.get("r"), int):
+        problems.append(f"model.adapter: {conf} is not a LoRA adapter (peft_type {ac.get('peft_type')!r}); rule: a "
+                        "LoRA adapter; fix: the final/ folder of a LoRA run")
+        return
+    theirs = {"r": int(ac["r"]), "alpha": float(ac.get("lora_alpha", 8)), "dropout": float(ac.get("lora_dropout", 0.0)),
+              "target_modules": sorted(ac["target_modules"]) if isinstance(ac.get("target_modules"), list) else None}
+    for key, value in theirs.items():
+        if value is None:
+            continue
+        if key in given:
+            mine = getattr(cfg.lora, key)
+            if key == "target_modules":
+                continue  # names or all-linear: peft matches them against the adapter's keys when it loads
+            if key in ("r", "alpha") and float(mine) != float(value):
+                problems.append(f"lora.{key}: got {mine} with model.adapter={cfg.model.adapter} (whose "
+                                f"{ADAPTER_KEYS[key]} is {value:g}); rule: the loaded adapter's shape and scale; "
+                                f"fix: drop lora.{key} (it is read from the adapter)")
+        else:
+            setattr(cfg.lora, key, value)
+
+
 def synthetic_vocab_problem(d: DataConfig, vocab_size: int) -> str | None:
     """The synthetic task's vocabulary within the model's ``vocab_size`` (one rule for plan and train)."""
     if d.source == "synthetic" and not d.sources and d.vocab_size > vocab_size:
@@ -798,6 +935,8 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, wor
     # follows the run's length, so a short smoke run works with the defaults; with epochs, once the data is counted
     if cfg.train.warmup_steps == AUTO and not cfg.train.epochs:
         cfg.train.warmup_steps = auto_warmup_steps(cfg.train.max_steps)
+    if cfg.model.adapter:  # before the checks, which then see the adapter's rank
+        with_adapter(cfg, raw.get("lora") if isinstance(raw.get("lora"), dict) else {}, problems)
     problems += names_and_paths(cfg)
     if not problems:
         problems += check(cfg, world)

@@ -21,6 +21,7 @@ from launcher.data.cache import Settings, tokenized
 from launcher.data.files import locate
 from launcher.data.formats import DROP_REASONS, TOO_LONG, template_text
 from launcher.data.mix import mixture
+from launcher.data.preference import load_preferences
 from launcher.data.sources import Source, eval_sources, kind_of, settle, train_sources
 from launcher.data.synthetic import synthetic_task
 from launcher.data.tokens import FixedRows, Records, Stream, TokenData, pad_id
@@ -74,11 +75,13 @@ def load_data(cfg: Config, vocab_size: int, tokenizer=None, model_config=None) -
 
 def load_splits(cfg: Config, vocab_size: int, tokenizer=None, model_config=None) -> tuple[TokenData, TokenData | None]:
     """(training samples, eval samples or None): ``data.eval_source``, else ``data.eval_fraction`` held out."""
-    data = load_data(cfg, vocab_size, tokenizer, model_config)
-    if cfg.data.eval_source:
-        train, ev = data, load_sources(cfg, eval_sources(cfg), vocab_size, tokenizer, model_config)
+    if cfg.task != "causal_lm":  # preference pairs (launcher.data.preference)
+        train, ev = load_preferences(cfg, vocab_size, tokenizer)
+    elif cfg.data.eval_source:
+        train = load_data(cfg, vocab_size, tokenizer, model_config)
+        ev = load_sources(cfg, eval_sources(cfg), vocab_size, tokenizer, model_config)
     else:
-        train, ev = data.split(cfg.data.eval_fraction, cfg.seed)
+        train, ev = load_data(cfg, vocab_size, tokenizer, model_config).split(cfg.data.eval_fraction, cfg.seed)
     g = cfg.train.global_batch_size
     if len(train) < g:
         what = "blocks of seq_len tokens" if isinstance(train.samples, (Stream, FixedRows)) else "samples"

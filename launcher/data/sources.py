@@ -242,6 +242,8 @@ def settle_formats(cfg: Config) -> Config:
     whether instruction samples will be packed (a block-diagonal attention mask) before anything is tokenized;
     the resolved formats are what ``config.yaml`` of the run records.
     """
+    if cfg.task != "causal_lm":  # preference pairs have one layout (launcher.data.preference)
+        return cfg
     d = cfg.data
     if d.sources:
         live = {s.path: s for s in settle(train_sources(cfg), d.encoding)}

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from launcher.config import user_ds_config
@@ -37,8 +39,9 @@ def placement(spec, adapters: bool) -> Placement:
                      trainable_dtype(spec.engine, spec.precision))
 
 
-def build(cfg, spec, model, hw: Hardware, hidden_size: int, lr: float, materializer=None):
-    """(engine, ds_config or None) for ``spec`` (a :class:`launcher.plan.resolve.RunSpec`), optimizer at ``lr``.
+def build(cfg, spec, model, hw: Hardware, hidden_size: int, lr: float, materializer=None, objective=None):
+    """(engine, ds_config or None) for ``spec`` (a :class:`launcher.plan.resolve.RunSpec`), optimizer at ``lr``;
+    ``objective``: a preference task's loss (:class:`launcher.model.preference.Objective`), None for the causal LM's.
 
     ``model`` may still be on the meta device with its ``materializer`` (:mod:`launcher.model.materialize`): the
     engines that shard (FSDP2, ZeRO-3) make it one unit at a time as they shard it; the others make it whole here.
@@ -50,7 +53,7 @@ def build(cfg, spec, model, hw: Hardware, hidden_size: int, lr: float, materiali
     t = cfg.train
     betas = (t.beta1, t.beta2)
     n_train = sum(p.numel() for g in groups for p in g["params"])
-    levers = make_levers(spec, hw)
+    levers = replace(make_levers(spec, hw), objective=objective)
     if spec.engine == "deepspeed":
         pin, why = engine_pinning(spec, hw, 16 * n_train) if spec.profile.offloads else (False, "")
         if spec.profile.offloads:

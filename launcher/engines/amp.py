@@ -19,6 +19,7 @@ from launcher.engines.base import (
     autocast_dtype,
     batch_to,
     forward_loss,
+    forward_reference,
     make_optimizer,
     move_in_place,
     torch_step,
@@ -109,6 +110,15 @@ class AmpEngine:
                         self.optimizer.state[p] = {
                             "step": torch.tensor(float(step), device=p.device if fused else "cpu"),
                             **{k: state[name][k].to(p.device) for k in ("exp_avg", "exp_avg_sq")}}
+
+    @torch.no_grad()
+    def reference_logps(self, batch: dict) -> torch.Tensor:
+        self.model.eval()
+        try:
+            with torch.autocast(self.device.type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None):
+                return forward_reference(self.model, batch_to(batch, self.device))
+        finally:
+            self.model.train()
 
     @torch.no_grad()
     def eval_loss(self, batch: dict) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -18,6 +18,7 @@ import torch
 from launcher.model.actoffload import offload_saved_tensors
 from launcher.model.build import enable_checkpointing
 from launcher.model.loss import causal_lm_loss
+from launcher.model.preference import reference_logps
 from launcher.plan.ladder import Move
 from launcher.precision import autocast_dtype  # noqa: F401 (engines take it from here)
 
@@ -75,6 +76,9 @@ class Engine(Protocol):
 
     def eval_loss(self, batch: dict) -> float: ...
 
+    def reference_logps(self, batch: dict) -> torch.Tensor:
+        """A preference micro-batch's reference log-probs per row (no gradients, eval mode), on the CPU."""
+
     def save(self, directory: str, client_state: dict) -> None:
         """Model + optimizer + scaler state, and ``client_state`` (step, data position, RNG)."""
 
@@ -121,6 +125,9 @@ class Levers:
     offload_activations: bool = False  # saved activations to CPU memory during the forward
     pin_memory: bool = False  # page-locked CPU copies (only on CUDA, when ulimit -l and RAM allow)
     checkpointing: bool = False  # with checkpointing transformers offloads the layer inputs itself
+    # a preference task's loss (launcher.model.preference.Objective), None for the causal LM loss; its stats are the
+    # loop's, so the same object goes to every engine the OOM ladder builds
+    objective: object = field(default=None, compare=False)
 
 
 def move_in_place(engine, move: Move, offload_activations: bool) -> None:
@@ -148,7 +155,16 @@ def forward_loss(model, batch: dict, levers: Levers | None, autocast: torch.dtyp
     offload = lv.offload_activations and not lv.checkpointing
     ctx = offload_saved_tensors(lv.pin_memory) if offload else contextlib.nullcontext()
     with ctx:
+        if lv.objective is not None:
+            return lv.objective.loss(model, batch)
         return causal_lm_loss(model, batch, chunked=lv.chunked_loss, autocast_dtype=autocast, liger=lv.liger)
+
+
+def forward_reference(model, batch: dict) -> torch.Tensor:
+    """The log-probs of a preference micro-batch's rows (chosen, then rejected) through ``model`` as it is now, on
+    the CPU: ``preference.reference=precompute`` runs it over the data before the first step, when the policy is
+    its own reference (a new adapter adds exactly 0; a loaded one is the starting point)."""
+    return reference_logps(model, batch, adapter=False).detach().float().cpu()
 
 
 def batch_to(batch: dict, device: torch.device) -> dict:

@@ -14,7 +14,7 @@ import os
 import torch
 
 from launcher.engines import swap
-from launcher.engines.base import Levers, StepResult, batch_to, forward_loss
+from launcher.engines.base import Levers, StepResult, batch_to, forward_loss, forward_reference
 from launcher.log import logger
 from launcher.machine import dist
 from launcher.machine.hardware import clear_stale_op_locks, op_state, remember_cpu_info, use_env_ninja
@@ -230,6 +230,14 @@ class DeepSpeedEngine:
                     if key in state[name]:  # else zero moments, as a fresh Adam has
                         safe_set_full_optimizer_state(p, state[name][key], key)
         _set_adam_step(self.optimizer, step)
+
+    @torch.no_grad()
+    def reference_logps(self, batch: dict) -> torch.Tensor:
+        self.engine.eval()
+        try:
+            return forward_reference(self.engine, batch_to(batch, self.engine.device))
+        finally:
+            self.engine.train()
 
     @torch.no_grad()
     def eval_loss(self, batch: dict) -> float:

@@ -43,6 +43,7 @@ from launcher.engines.base import (
     autocast_dtype,
     batch_to,
     forward_loss,
+    forward_reference,
     make_optimizer,
     move_in_place,
     torch_step,
@@ -205,6 +206,14 @@ class FsdpEngine:
             n for n, p in self.model.named_parameters() if p.grad is not None and not torch.isfinite(_local(p.grad)).all()])
         self.nonfinite = bad or self.nonfinite
         return result
+
+    @torch.no_grad()
+    def reference_logps(self, batch: dict) -> torch.Tensor:
+        self.model.eval()
+        try:
+            return forward_reference(self.model, batch_to(batch, self.device))
+        finally:
+            self.model.train()
 
     @torch.no_grad()
     def eval_loss(self, batch: dict) -> float:

@@ -129,6 +129,8 @@ def build_model(cfg: Config, placement: Placement, hf_config=None, *, precision:
         enable_checkpointing(model, checkpoint_every, offload_activations, pin_memory)
     if adapters:
         model = lora.apply_lora(cfg, model, lora.base_name_for(cfg))
+        if cfg.model.adapter:  # the loaded adapter goes in where the new one's initial values would (a rebuild's own
+            overrides = {**lora.adapter_weights(cfg, model), **(overrides or {})}  # state, handed on, wins)
     mat = Materializer(model, placement, seed=cfg.seed, hf_keys=hf_keys, checkpoint=checkpoint, overrides=overrides)
     if made:  # nothing left on the meta device but what peft added: the adapters, made and initialised as always
         mat.fill(model)

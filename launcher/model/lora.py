@@ -92,3 +92,34 @@ def base_name_for(cfg: Config) -> str:
     """What an adapter records as its base: the absolute path of a local directory, else the name."""
     path = os.path.abspath(os.path.expanduser(cfg.model.name))
     return path if os.path.isdir(path) else cfg.model.name
+
+
+def adapter_weights(cfg: Config, model: torch.nn.Module) -> dict:
+    """``model.adapter``'s tensors as {parameter name of ``model`` (the peft model): {"param": tensor}}: what
+    :class:`launcher.model.materialize.Materializer` puts in instead of initialising the adapter (on every engine,
+    sharded or not). A ConfigError when the file lacks one of the model's adapter tensors or holds another shape."""
+    from safetensors import safe_open
+
+    path = os.path.join(os.path.expanduser(cfg.model.adapter), "adapter_model.safetensors")
+    out, problems = {}, []
+    with safe_open(path, framework="pt") as fh:
+        keys = set(fh.keys())
+        for name, p in model.named_parameters():
+            if ".lora_A." not in name and ".lora_B." not in name:
+                continue
+            key = name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+            if key not in keys:
+                problems.append(name)
+                continue
+            t = fh.get_tensor(key)
+            if tuple(t.shape) != tuple(p.shape):
+                problems.append(f"{name} (shape {tuple(t.shape)} in the file, {tuple(p.shape)} here)")
+                continue
+            out[name] = {"param": t}
+    if problems or not out:
+        raise ConfigError([f"model.adapter: {path} does not fit this model's LoRA ({len(problems)} adapter tensors "
+                           f"missing or of another shape, first: {', '.join(problems[:3]) or 'none found'}); rule: an "
+                           "adapter trained on this base with the same lora.r and target_modules; fix: model.name= the "
+                           "adapter's base, and drop lora.r / lora.target_modules (read from the adapter)"])
+    logger.info(f"model.adapter: {len(out)} adapter tensors from {path} (the starting point; nothing initialised)")
+    return out

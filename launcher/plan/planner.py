@@ -26,7 +26,14 @@ import torch
 
 from launcher.config import user_ds_config
 from launcher.config.profiles import PROFILES, Profile, bucket_sizes, in_catalogue
-from launcher.config.schema import AUTO, Config, ConfigError, packs_samples, synthetic_vocab_problem
+from launcher.config.schema import (
+    AUTO,
+    Config,
+    ConfigError,
+    packs_samples,
+    reference_mode,
+    synthetic_vocab_problem,
+)
 from launcher.machine.hardware import Hardware
 from launcher.machine.speeds import Machine
 from launcher.model import hfconfig
@@ -232,7 +239,8 @@ def _trace_settings(run: RunShape, family: str, micro_batch: int) -> TraceSettin
         pdt, adt, ac = (cd if weight_dtype("amp", run.precision, run.lora_r > 0) != torch.float32 else torch.float32,
                         torch.float32, cd)
     kernel = _attention_kernel(run, cd if ac is not None or family == "16bit" else torch.float32)
-    return TraceSettings(batch_size=micro_batch, seq_len=run.seq_len, param_dtype=pdt, adapter_dtype=adt,
+    # a preference pair is two rows (chosen and rejected) of one forward: traced as a micro-batch of twice the rows
+    return TraceSettings(batch_size=micro_batch * run.rows_per_sample, seq_len=run.seq_len, param_dtype=pdt, adapter_dtype=adt,
                          autocast_dtype=ac, target=run.device, attn_implementation=run.attn_implementation,
                          attention_kernel=kernel, gradient_checkpointing=run.checkpointing,
                          checkpoint_every=run.checkpoint_every if run.checkpointing else 1, lora_r=run.lora_r,
@@ -394,7 +402,9 @@ def _plan_profile(p: Profile, run: RunShape, micro_batch: int, gpu_budget: int, 
     row.checkpoint_bytes, row.final_bytes = on_disk["checkpoint"], on_disk["final"]
     row.activations_counted = est.counted if est is not None else None
     if machine is not None and est is not None and not est.counted:  # no trace, no ops to price
-        t = steptime.predict(p, machine, ops=ops_of(est, run), counts=run.counts, micro_batch=micro_batch,
+        t = steptime.predict(p, machine, ops=ops_of(est, run), counts=run.counts,
+                             micro_batch=micro_batch * run.rows_per_sample,
+                             reference_share=reference_share(run) if run.reference_pass else 0.0,
                              accumulation=accumulation, seq_len=run.seq_len, world=run.world, pinned=pin,
                              optimizer=run.optimizer, lora=run.lora_r > 0,
                              activation_copy_bytes=est.offload_copied if est.offloaded else 0,
@@ -402,6 +412,16 @@ def _plan_profile(p: Profile, run: RunShape, micro_batch: int, gpu_budget: int, 
         row.step_s, row.tokens_per_s, row.time_parts, row.time_notes = t.step_s, t.tokens_per_s, t.parts, t.notes
         row.eta_s = t.step_s * max_steps if max_steps else None
     return row
+
+
+def reference_share(run: RunShape) -> float:
+    """DPO's live reference is one more forward of the micro-batch, without gradients (launcher.model.preference),
+    priced as a share of the traced compute. The trace prices forward + backward (+ the recompute of checkpointed
+    layers); with LoRA the backward runs the frozen base's input gradients (one forward's matmuls again) and only
+    the adapters' small weight gradients (the 2N / 4N FLOPs per token of a full backward, Kaplan et al. 2020,
+    shrink to 2N / 2N), so a forward is 1/2 of it, and 1/3 with every layer recomputed."""
+    recomputed = 1.0 / run.checkpoint_every if run.checkpointing else 0.0
+    return 1.0 / (2.0 + recomputed)
 
 
 def _micro_batch_candidates(run: RunShape, asked) -> list[int]:
@@ -436,6 +456,7 @@ def make_shape(cfg: Config, hw: Hardware, avail: Availability, world: int = 1, n
         raise ConfigError(problems)
     counts = count_params(config, cfg.lora.r, targets, cfg.model.trust_remote_code)
     device = avail.device.type
+    pairs = cfg.task != "causal_lm"  # preference pairs: two sequences per sample, never a chunked loss
     return RunShape(config=config, counts=counts, device=device,
                     capability=hw.gpu(avail.device.index or 0).capability if device == "cuda" else (0, 0),
                     precision=avail.precision, seq_len=int(cfg.data.seq_len),
@@ -446,12 +467,14 @@ def make_shape(cfg: Config, hw: Hardware, avail: Availability, world: int = 1, n
                     lora_r=int(cfg.lora.r), lora_targets=targets, lora_dropout=float(cfg.lora.dropout),
                     quantize=cfg.model.quantize, optimizer=cfg.train.optimizer,
                     trust_remote_code=bool(cfg.model.trust_remote_code),
-                    chunked_loss=cfg.loss.chunked == "on", chunked_mode=cfg.loss.chunked,
+                    chunked_loss=cfg.loss.chunked == "on" and not pairs,
+                    chunked_mode=cfg.loss.chunked if not pairs else "off",
                     head_problem=_head_problem(config, cfg.model.trust_remote_code),
                     offload_activations=cfg.memory.offload_activations == "on",
                     offload_mode=cfg.memory.offload_activations,
                     nvme=hw.nvme if cfg.memory.nvme_path and hw.nvme else None, packed=packs_samples(cfg.data),
-                    nodes=nodes, links=links)
+                    nodes=nodes, links=links, rows_per_sample=2 if pairs else 1,
+                    reference_pass=reference_mode(cfg) == "adapter_off")
 
 
 def _lora_problems(cfg: Config, config) -> list[str]:
@@ -555,6 +578,8 @@ def plan(cfg: Config, hw: Hardware, profiles: list[str] | None = None, *, world:
         chosen, tie = simplest_within_error(fitting, avail)
     every = sorted((c for row, cands in searched if row.available for c in cands), key=order)
     reason = _reason(chosen, pool, rows, cfg, gpu_budget, cpu_budget, run) + (f"; {tie}" if tie else "")
+    if chosen is not None and cfg.task == "dpo":
+        reason += "; " + _reference_line(cfg, chosen)
     out = Plan(profiles=rows, chosen=chosen.profile if chosen else None, reason=reason,
                budget={"gpu_bytes": gpu_budget, "cpu_bytes": cpu_budget, "gpu_source": sources["gpu"],
                        "cpu_source": sources["cpu"]},
@@ -831,6 +856,22 @@ def _reason(chosen, pool, rows, cfg, gpu_budget, cpu_budget, run) -> str:
     if cfg.deepspeed_config:
         text = f"{chosen.profile} from deepspeed_config {cfg.deepspeed_config} fits: " + text.split(": ", 1)[1]
     return text
+
+
+def _reference_line(cfg: Config, row) -> str:
+    """What DPO's reference costs in the chosen setting, and what the other choice would (neither adds memory: the
+    reference pass runs before the policy's forward and frees what it made; precompute keeps 8 bytes per pair)."""
+    ref = (row.time_parts or {}).get("reference_forward")
+    if reference_mode(cfg) == "precompute":
+        return ("DPO reference: precomputed before training (one no-grad forward over the pairs, 8 bytes each in the "
+                "run directory), no reference pass per step")
+    if ref is None:
+        return ("DPO reference: the adapter switched off, one more no-grad forward per micro-batch (no second model); "
+                "preference.reference=precompute runs it once per pair before training instead")
+    per_pair = ref / max(1, cfg.train.global_batch_size)
+    return (f"DPO reference: the adapter switched off, {ref:.3g} s of each step ({ref * cfg.train.max_steps:.0f} s "
+            f"over {cfg.train.max_steps} steps, no second model); preference.reference=precompute: about "
+            f"{per_pair:.3g} s per pair once before training, then none")
 
 
 def _model_summary(cfg: Config, run: RunShape) -> dict:

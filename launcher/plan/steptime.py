@@ -183,7 +183,7 @@ def collectives(p: Profile, counts, lora: bool, world: int) -> tuple[float, floa
 def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int, accumulation: int,
             seq_len: int, world: int = 1, pinned: bool = False, optimizer: str = "adamw",
             lora: bool = False, activation_copy_bytes: int = 0, disk: dict | None = None, nodes: int = 1,
-            links: dict | None = None) -> StepTime:
+            links: dict | None = None, reference_share: float = 0.0) -> StepTime:
     """Seconds per optimizer step of profile ``p`` on ``machine``. ``ops``: the traced op record of one
     micro-batch's forward + backward at this micro-batch, checkpointing and precision; ``counts``: the
     model's :class:`launcher.plan.memory.shape.ParamCounts`. ``activation_copy_bytes``: activation offload's bytes
@@ -196,7 +196,9 @@ def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int
     which is not counted (the disk is priced as if alone). Several ranks: ``links`` holds the bytes/s of the link
     between ranks in one machine (``intra``) and between machines (``inter``); a ring over ``nodes`` > 1 machines
     runs at the slower of the two. The engine's collectives (:func:`collectives`) overlap the compute where the
-    engine overlaps them, and what is left over is the ``communication`` part."""
+    engine overlaps them, and what is left over is the ``communication`` part. ``reference_share``: DPO's live
+    reference, one more forward of each micro-batch without gradients, as this share of the traced compute (and,
+    where an engine brings the weights up for each pass, one more copy of them: ZeRO-3 and FSDP2 offload)."""
     on_gpu = machine.compute.device == "cuda"
     cd = 4 if p.precision == "fp32" else 2
     trainable = counts.adapters if lora else counts.total
@@ -268,6 +270,10 @@ def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int
         micro = fb + t_grads + t_weights_micro
         exposed_copies = t_grads + t_weights_micro
     micro += t_activations
+    t_reference = 0.0
+    if reference_share:
+        t_reference = reference_share * (compute + traffic_micro / mem + micro_fixed) + weights_up_micro / 2 / h2d
+        micro += t_reference
     comm_micro, comm_step_overlapped, comm_step = collectives(p, counts, lora, world)
     t_comm_micro = t_comm_step_overlapped = t_comm_step = 0.0
     if world > 1 and links:
@@ -304,7 +310,8 @@ def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int
              "memory_traffic": traffic_micro / mem * accumulation + traffic_step / mem + host_traffic_step / host_mem,
              "copies": exposed_copies * accumulation + t_weights_step, "optimizer": opt,
              "activation_copies": t_activations * accumulation, "disk": (t_disk_micro * accumulation + t_disk_step),
-             "communication": t_comm_micro * accumulation + t_comm_step_overlapped + t_comm_step}
+             "communication": t_comm_micro * accumulation + t_comm_step_overlapped + t_comm_step,
+             "reference_forward": t_reference * accumulation}
     parts["copies"] -= t_disk_step
     step = micro * accumulation + opt + step_extra
     correction = machine.corrections.get(fam)

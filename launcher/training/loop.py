@@ -28,7 +28,7 @@ from launcher.log import logger
 from launcher.machine import diskspace, dist, heap, recheck, speeds, threads
 from launcher.machine.files import DiskFull, disk_full_message, is_disk_full, read_json
 from launcher.machine.hardware import Hardware, enforce_gpu_budget, probe, with_nvme
-from launcher.model import hfconfig, kernels, lora
+from launcher.model import hfconfig, kernels, lora, preference
 from launcher.model.build import build_model, count_params, load_tokenizer, model_config
 from launcher.plan import report
 from launcher.plan.ladder import Move, Rung, next_move
@@ -107,6 +107,8 @@ class Run:
     calibration_doubtful: str | None = None  # the speeds that priced the plan were measured on a busy machine
     startup: Startup | None = None  # where the time to the first step went
     oom: dict | None = None  # an OOM on one of several ranks since the checkpoint: the rung all go on with
+    objective: object = None  # a preference task's loss (launcher.model.preference.Objective), None for causal LM
+    pref_metrics: dict | None = None  # the last step's preference rewards, margin and accuracy
 
     @property
     def device(self) -> torch.device:
@@ -193,7 +195,9 @@ def prepare(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.
     if not run.resume_from:
         run.mon.start()  # memory.csv from here (a resume appends to it once its checkpoint has loaded)
     startup.lap("run directory")
-    run.engine, run.model = make_engine(cfg, run.spec, hw, hf_config, run.rd, startup=startup)
+    run.objective = preference.objective_for(cfg)
+    run.engine, run.model = make_engine(cfg, run.spec, hw, hf_config, run.rd, startup=startup,
+                                        objective=run.objective)
     if run.device.type == "cuda":  # engine set-up can briefly hold two copies of the weights; training is apart
         run.init_peak_gpu = torch.cuda.max_memory_allocated(run.device)
         torch.cuda.reset_peak_memory_stats(run.device)
@@ -206,6 +210,9 @@ def prepare(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.
     if run.resume_from:
         _restore(run)
         startup.lap("resume")
+    if run.objective is not None and run.objective.reference == "precompute":
+        _precompute_reference(run)
+        startup.lap("reference log-probs")
     if run.oom is not None:  # the move is the run's, as one made in place is
         run.st.fallbacks.append({k: run.oom[k] for k in ("from", "to", "reason", "step", "rank")})
     # trackers only once a resume has loaded (a refused one changes nothing in the run directory); one that
@@ -302,6 +309,46 @@ def _resume_spec(run: Run) -> RunSpec:
     return spec.at(rung)  # continue where the OOM ladder had got to
 
 
+REFERENCE_FILE = "reference_logps.pt"
+
+
+def _precompute_reference(run: Run) -> None:
+    """``preference.reference=precompute``: the reference's log-probs of every pair, computed once from the starting
+    weights (before the first step) and kept in the run directory, where a resume reads them back (its weights
+    have moved on); the batches then carry them and no reference pass runs while training."""
+    path = run.rd.file(REFERENCE_FILE)
+    if run.resume_from:
+        if not os.path.isfile(path):
+            raise ConfigError([f"checkpoint.resume: {run.rd.path} has no {REFERENCE_FILE}, the reference log-probs "
+                               "computed at its start; rule: a run with preference.reference=precompute resumes with "
+                               "them (its weights are no longer the reference); fix: another run_name to start again"])
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        logger.info(f"reference log-probs from {path}")
+    else:
+        t0 = time.perf_counter()
+        saved = {}
+        for split, data in (("train", run.train_data), ("eval", run.eval_data)):
+            if data is None:
+                continue
+            ids = data.pair_ids()
+            ref = torch.full((len(data.samples), 2), float("nan"), dtype=torch.float32)
+            m = run.spec.micro_batch
+            for start in range(0, len(data), m):
+                idx = list(range(start, min(start + m, len(data))))
+                got = run.engine.reference_logps(data.batch(idx, with_ref=False))
+                ref[ids[idx], 0], ref[ids[idx], 1] = got[:len(idx)], got[len(idx):]
+            saved[split] = ref
+        if run.ranks.is_main:
+            torch.save(saved, path)
+        logger.info(f"reference log-probs of {len(run.train_data)} training pairs"
+                    + (f" and {len(run.eval_data)} eval pairs" if run.eval_data is not None else "")
+                    + f" computed in {time.perf_counter() - t0:.1f} s (once, from the starting weights; kept in "
+                    f"{REFERENCE_FILE}); no reference pass while training")
+    run.train_data = run.train_data.with_reference(saved["train"])
+    if run.eval_data is not None:
+        run.eval_data = run.eval_data.with_reference(saved["eval"])
+
+
 def _restore(run: Run) -> None:
     """Load the checkpoint being continued into the engine and the loop's state; only then is the run directory
     written to (metrics cut back to its step, damaged newer checkpoints set aside)."""
@@ -391,6 +438,8 @@ def _step(run: Run, lr: float):
         if hooks.before_step:
             hooks.before_step(st.step, engine)
         run.mon.mark("forward", engine)  # model hooks split forward from backward
+        if run.objective is not None:
+            run.objective.stats.take()  # what a step cut short by an OOM left behind
         batch = run.train_data.step(st.step, run.cfg.train.global_batch_size, spec.micro_batch, ranks.rank,
                                     ranks.world, run.cfg.seed)  # this rank's micro-batches: stacked, padded or packed
         losses = [engine.forward_backward(b, spec.accumulation) for b in batch.batches]
@@ -401,8 +450,11 @@ def _step(run: Run, lr: float):
         # loss is read after the update is queued, with the step's other numbers, in one host transfer: a GPU
         # waits for the host once per step, not at the loss and again at the norm.
         result: StepResult = engine.step(lr)
-        loss, skipped, scale, norm = host_values([torch.stack(losses).mean(), result.skipped, result.loss_scale,
-                                                  result.grad_norm])
+        sums = run.objective.stats.take() if run.objective is not None else {}
+        loss, skipped, scale, norm, *rest = host_values([torch.stack(losses).mean(), result.skipped,
+                                                         result.loss_scale, result.grad_norm, *sums.values()])
+        if run.objective is not None:
+            run.pref_metrics = preference.step_metrics({k: ranks.mean(v) for k, v in zip(sums, rest)})
         run.loss, run.last_scale = ranks.mean(loss), scale
         if not math.isfinite(run.loss) and spec.precision != "fp16":  # its update was not applied
             run.status, run.diagnosis = "failed", diagnose(engine, run.train_data, spec.rung, st.step, run.cfg, lr,
@@ -439,7 +491,8 @@ def _climb(run: Run, move: Move) -> None:
         run.mon.unwatch()
         run.engine = run.model = None
         free_memory(run.device)
-        run.engine, run.model = make_engine(run.cfg, spec, run.hw, run.hf_config, run.rd, state)
+        run.engine, run.model = make_engine(run.cfg, spec, run.hw, run.hf_config, run.rd, state,
+                                            objective=run.objective)
         run.engine.load_portable_state(state, run.st.step - run.st.skipped, scale_state)
         del state
     else:
@@ -462,7 +515,8 @@ def _record(run: Run, batch, result: StepResult, lr: float, dt: float, since_sta
     row = {"step": st.step, "loss": run.loss, "lr": lr, "loss_scale": result.loss_scale, "skipped": result.skipped,
            "grad_norm": result.grad_norm, "tokens": st.tokens_seen, "tokens_per_s": batch.tokens / dt,
            "tokens_in_loss": st.tokens_in_loss, "tokens_in_loss_per_s": batch.tokens_in_loss / dt, **mem,
-           "time_s": since_start, "micro_batch": run.spec.micro_batch, **run.mon.end_step(st.step, mem)}
+           "time_s": since_start, "micro_batch": run.spec.micro_batch, **(run.pref_metrics or {}),
+           **run.mon.end_step(st.step, mem)}
     run.rd.append_metrics(row)
     run.trackers.log(row, st.step)
     return row
@@ -632,7 +686,9 @@ def summary_of(run: Run, eval_loss: float | None) -> dict:
         "accumulation": spec.accumulation, "gradient_checkpointing": spec.checkpointing,
         "checkpoint_every": spec.checkpoint_every, "world_size": run.ranks.world,
         "predicted_step_s": spec.predicted("step_s"), "calibration_doubtful": run.calibration_doubtful,
-        "global_batch_size": run.cfg.train.global_batch_size,
+        "global_batch_size": run.cfg.train.global_batch_size, "task": run.cfg.task,
+        "reference": run.objective.reference if run.objective is not None else None,
+        **{f"final_{k}": v for k, v in (run.pref_metrics or {}).items()},
         "seq_len": run.cfg.data.seq_len, "elapsed_s": run.elapsed, "checkpoint": run.last_ckpt,
         **(run.startup.to_dict() if run.startup is not None else {"startup_s": None, "startup_parts": None}),
         "reasons": list(spec.reasons), "diagnosis": run.diagnosis, "run_dir": run.rd.path, "sample": None,
@@ -736,7 +792,7 @@ def _resume_point(cfg: Config, rd: RunDir, explicit: bool) -> tuple[str | None, 
 
 
 def make_engine(cfg: Config, spec: RunSpec, hw: Hardware, hf_config, rd: RunDir, state: dict | None = None,
-                startup: Startup | None = None):
+                startup: Startup | None = None, objective=None):
     """A model and engine for ``spec``. The model is made as the engine takes it (:mod:`launcher.model.materialize`):
     each weight once, in its training dtype, where it lives. With ``state`` (portable_state of the engine it
     replaces), those weights go in instead of being read or initialised, so low-precision copies are made from them."""
@@ -751,7 +807,7 @@ def make_engine(cfg: Config, spec: RunSpec, hw: Hardware, hf_config, rd: RunDir,
         logger.info(f"model.compile: {kernels.compile_layers(model)} decoder layers compiled in place "
                     "(compilation happens in the first steps)")
     engine, ds_config = engines.build(cfg, spec, model, hw, hf_config.hidden_size, lr_at(0, cfg.train),
-                                      materializer=materializer)
+                                      materializer=materializer, objective=objective)
     if materializer.checkpoint is not None:
         materializer.checkpoint.close()
     if startup is not None:

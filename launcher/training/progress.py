@@ -18,7 +18,9 @@ from launcher.units import gib_short
 def format_row(r: dict, max_steps: int) -> str:
     scale = "-" if r["loss_scale"] is None else f"{r['loss_scale']:.0f}"
     norm = "-" if r["grad_norm"] is None else f"{r['grad_norm']:.2f}"
-    return (f"step {r['step']}/{max_steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | scale {scale}"
+    pref = (f" | accuracy {r['preference_accuracy']:.2f} | margin {r['reward_margin']:.3f}"
+            if r.get("preference_accuracy") is not None else "")  # a preference task's
+    return (f"step {r['step']}/{max_steps} | loss {r['loss']:.4f}{pref} | lr {r['lr']:.2e} | scale {scale}"
             f"{' (skipped)' if r['skipped'] else ''} | grad norm {norm} | {r['tokens_per_s']:.0f} tok/s | "
             f"gpu {gib_short(r['gpu_allocated_bytes'])} | rss {gib_short(r['cpu_rss_bytes'])}")
 
@@ -34,6 +36,11 @@ def summary_lines(s: dict) -> list[str]:
              + f"; {s['tokens_per_s']:.0f} tokens/s; skipped steps {s['skipped_steps']}",
              f"peak memory: GPU {gib_short(s['peak_gpu_bytes'])} (planned {gib_short(s['predicted_gpu_bytes'])}), "
              f"CPU RSS {gib_short(s['peak_cpu_rss_bytes'])} (planned {gib_short(s['predicted_cpu_bytes'])})"]
+    if s.get("final_preference_accuracy") is not None:
+        lines.insert(2, f"{s['task']}: preference accuracy {s['final_preference_accuracy']:.2f}, reward margin "
+                        f"{s['final_reward_margin']:.3f} (chosen {s['final_rewards_chosen']:.3f}, rejected "
+                        f"{s['final_rewards_rejected']:.3f}) at the last step"
+                        + (f"; reference {s['reference']}" if s.get("reference") not in (None, "none") else ""))
     if s.get("diagnosis"):
         lines.append(f"diagnosis: {s['diagnosis']}")
     lines.append(f"run directory: {s['run_dir']}")

@@ -73,6 +73,8 @@ class RunShape:
     packed: bool = False  # instruction samples packed padding-free: a block-diagonal attention mask per layer
     nodes: int = 1  # machines the ``world`` ranks run on (ranks per node = world / nodes share a host's RAM)
     links: dict | None = None  # bytes/s between ranks: {"intra": ..., "inter": ..., "intra_source", "inter_source"}
+    rows_per_sample: int = 1  # sequences one sample makes: 2 for a preference pair (chosen and rejected)
+    reference_pass: bool = False  # DPO's live reference: one more no-grad forward of each micro-batch (adapter off)
 
     @property
     def ranks_per_node(self) -> int:
