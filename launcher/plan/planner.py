@@ -214,10 +214,10 @@ def _attention_kernel(run: RunShape, dtype: torch.dtype) -> str:
 
 def trace_family(p: Profile) -> str:
     """Which trace a profile's activations come from: 'amp' (fp32 weights under autocast), '16bit' (the
-    whole model in fp16/bf16: DeepSpeed, FSDP's param dtype) or 'fp32'."""
+    whole model in fp16/bf16: DeepSpeed, FSDP's param dtype, AMP with the optimizer offloaded) or 'fp32'."""
     if p.precision == "fp32":
         return "fp32"
-    return "amp" if p.engine == "amp" else "16bit"
+    return "amp" if p.engine == "amp" and not p.offload_optimizer else "16bit"
 
 
 def _trace_settings(run: RunShape, family: str, micro_batch: int) -> TraceSettings:
@@ -327,7 +327,7 @@ def _plan_profile(p: Profile, run: RunShape, micro_batch: int, gpu_budget: int, 
             if logits > CHUNK_SHARE * (gpu_budget if on_gpu else cpu_budget):
                 run = dataclasses.replace(run, chunked_loss=True)
         est = activations(run, trace_family(p), micro_batch, exact, compose)
-        grads_from_trace = p.engine == "amp" and accumulation == 1
+        grads_from_trace = p.engine == "amp" and accumulation == 1 and not p.offload_optimizer  # (they leave)
         for part, n in _activation_parts(est, with_grads=grads_from_trace).items():
             add_part(fb, part, n)
     phases = {"forward_backward": fb, "optimizer_step": dict(st["gpu_step"])}

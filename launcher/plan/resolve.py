@@ -146,7 +146,7 @@ def resolve(cfg: Config, hw: Hardware, world: int = 1, local_rank: int = 0, mach
             reasons.append(why_engine)
     if plan is not None and plan.machine is None and user is None:
         reasons.append("step times not priced: this machine has no calibration, so the catalogue's speed ranks chose ("
-                       + ("torch's AMP first on a CPU" if avail.device.type == "cpu" else "DeepSpeed first on a tie")
+                       + "torch's AMP first on a tie"
                        + "); `vramfit doctor --calibrate` measures it (about a minute, once)")
     if plan is not None and plan.activations_counted:
         reasons.append(f"warning: the plan is an estimate: {plan.activations_counted}; activations counted from the "

@@ -44,6 +44,8 @@ def family(p: Profile) -> str:
         if p.zero_stage >= 3:
             return "zero3_offload" if p.offload_param else "zero3"
         return "zero2_offload" if p.offload_optimizer else "zero2"
+    if p.engine == "amp" and p.offload_optimizer:
+        return "amp_offload"
     return p.engine  # 'amp' | 'fsdp'
 
 
@@ -58,7 +60,7 @@ def optimizer_kind(p: Profile, device: str, optimizer: str = "adamw") -> str:
         return f"deepspeed_fused_adam@{device}"
     if p.engine == "deepspeed":  # torch's fused AdamW as DeepSpeed's client optimizer, on the offloaded partitions
         return "torch_fused_adamw@cpu" if p.offload_optimizer else f"torch_fused_adamw@{device}"
-    if p.engine == "fsdp":  # the CPU offload policy keeps shards, grads and moments on the CPU
+    if p.engine == "fsdp" or p.offload_optimizer:  # FSDP2's CPU offload policy; AMP's offloaded update: on the CPU
         return "torch_fused_adamw@cpu"
     return f"torch_fused_adamw@{device}"
 
@@ -101,6 +103,11 @@ OVERLAP = {
     # the current one computes, in forward and backward (deepspeed/runtime/zero/partitioned_param_coordinator.py);
     # gradients leave on the reduction stream (stage3.py, overlap_comm).
     "zero3_offload": {"grads": True, "weights": True},
+    # AMP with the optimizer offloaded (launcher/engines/offload_opt.py): each gradient is copied down on a side
+    # stream as backward completes it (post-accumulate-grad hooks), in the last micro-batch of a step; the updated
+    # weights go up on another side stream while the CPU updates the next parameter, so their copy hides behind the
+    # optimizer's time, not the compute's (priced as the larger of the two).
+    "amp_offload": {"grads": True, "weights": False},
     # FSDP2 prefetches the next unit's all-gather (the H2D copy of its CPU shard) during the current
     # unit's compute, forward and backward (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py,
     # implicit prefetching), and offloads reduced gradients with non_blocking copies.
@@ -243,6 +250,14 @@ def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int
         else:  # the CPU mesh: nothing to copy, the casts remain
             traffic_micro = 2 * (4 + cd) * full + (cd + 4) * trainable
         host_traffic_step = (4 + 8) * trainable
+    elif fam == "amp_offload":
+        grads_down = cd * trainable / accumulation  # once per step: spread here over the micro-batches
+        traffic_micro = (cd + 4) * trainable / accumulation  # each gradient's norm, in fp32, as it leaves
+        if accumulation > 1:
+            traffic_micro += 3 * cd * trainable * (accumulation - 1) / accumulation  # grad += (after the first)
+        # on the CPU: widen into the fp32 gradient, the clip/unscale factor, narrow the master back to 16 bits
+        host_traffic_step = (cd + 4 + 8 + 4 + cd) * trainable
+        weights_up_step = cd * trainable
     elif fam == "amp":
         traffic_step = (4 + 8) * trainable  # clip_grad_norm_: the norm, then the scale
         if accumulation > 1:
@@ -287,6 +302,8 @@ def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int
         notes.append(f"no measured speed for {kind}: {stand_in} stands in")
     opt = trainable * per_param + n_tensors * per_tensor
     t_weights_step = weights_up_step / h2d
+    if fam == "amp_offload" and on_gpu:  # the upload of one parameter runs beside the update of the next
+        t_weights_step = max(0.0, t_weights_step - opt)
     t_disk_micro = t_disk_step = 0.0
     if disk and getattr(p, "nvme", False):
         wr = disk.get("write_bytes_per_s") or machine.disk_write_bytes_per_s or 1e9
