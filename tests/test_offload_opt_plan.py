@@ -1,0 +1,61 @@
+"""The planner's view of the AMP optimizer-offload profiles (launcher/plan/memory/states.py, host.py, steptime.py):
+their bytes by part on the GPU and the host, their step priced with the CPU AdamW and the copies, and the choice: they
+win where plain AMP (and ZeRO-2) do not fit the GPU, and lose to plain AMP where it does.
+"""
+
+from __future__ import annotations
+
+from test_planner import fake_hw
+from test_steptime import machine
+
+from launcher.config.schema import load_config
+from launcher.plan import planner
+from launcher.units import GiB
+
+BASE = ["model.name=llama-125m", "data.seq_len=128", "train.micro_batch_size=1", "train.global_batch_size=1",
+        "model.gradient_checkpointing=true", "memory.cpu_budget=32"]
+
+
+def plan(*extra, **kw):
+    return planner.plan(load_config(None, [*BASE, *extra]), fake_hw(gpu_gib=80, ram_gib=64, capability=(8, 0)), **kw)
+
+
+def test_model_states_by_part():
+    p = plan("memory.gpu_budget=40")
+    n = p.model["params"]
+    row = p.get("amp-bf16-offload-opt")
+    gpu, fb = row.phases["optimizer_step"], row.phases["forward_backward"]
+    assert gpu["weights"] == 2 * n and "optimizer_states" not in gpu and "master_weights" not in gpu
+    assert "gradients" not in gpu  # every gradient left during backward
+    largest = p.model["counts"]["largest_param"]
+    assert fb["gradients"] == 2 * 2 * largest < n  # two parameters' gradients in flight, not the model's
+    cpu = row.host_phases["train"]
+    assert cpu["master_weights"] == 4 * n and cpu["gradients"] == 4 * n and cpu["optimizer_states"] == 8 * n
+    assert cpu["buffers"] == 2 * n and row.pinned_bytes == 2 * n  # the one transfer block, registered exactly
+    acc = plan("memory.gpu_budget=40", "train.global_batch_size=4").get("amp-bf16-offload-opt")
+    assert acc.phases["forward_backward"]["gradients"] == 2 * n  # accumulating: 16-bit gradients on the GPU
+    # less GPU memory than ZeRO-2's optimizer offload (its buckets and fp32 gradient copies)
+    assert row.gpu_bytes < p.get("zero2-bf16-offload-opt").gpu_bytes < p.get("amp-bf16").gpu_bytes
+
+
+def test_chosen_where_plain_amp_does_not_fit_and_not_where_it_does():
+    roomy = plan("memory.gpu_budget=40")
+    assert roomy.chosen == "amp-bf16"  # everything fits: no offload
+    amp, off = roomy.get("amp-bf16").gpu_bytes, roomy.get("amp-bf16-offload-opt").gpu_bytes
+    budget = (amp + off) / 2 / GiB
+    tight = plan(f"memory.gpu_budget={budget}")
+    assert not tight.get("amp-bf16").fits and not tight.get("zero2-bf16").fits
+    assert tight.chosen == "amp-bf16-offload-opt", tight.reason
+    assert tight.get("zero2-bf16-offload-opt").fits  # both offloads fit: AMP's goes first on the tie
+
+
+def test_priced_with_the_cpu_optimizer_and_the_copies():
+    """Priced on a machine: the CPU AdamW's measured speed, gradients down during backward, weights up beside the
+    update; slower than plain AMP where both fit, so the priced plan keeps AMP."""
+    p = plan("memory.gpu_budget=40", machine=machine())
+    off, amp = p.get("amp-bf16-offload-opt"), p.get("amp-bf16")
+    assert off.step_s is not None and off.time_parts["optimizer"] > 10 * amp.time_parts["optimizer"]
+    assert off.step_s > amp.step_s and p.chosen == "amp-bf16"
+    budget = (amp.gpu_bytes + off.gpu_bytes) / 2 / GiB
+    tight = plan(f"memory.gpu_budget={budget}", machine=machine())
+    assert tight.chosen == "amp-bf16-offload-opt", tight.reason
