@@ -731,25 +731,49 @@ def _smallest_buckets(p: Profile, run: RunShape) -> Profile:
 
 def _grow_buckets(p: Profile, run: RunShape, row: ProfilePlan, gpu_budget: int, cpu_budget: int,
                   machine: Machine | None, pinned: bool, max_steps: int, exact: bool = True) -> ProfilePlan:
-    """The chosen setting of ``p`` with the largest gradient bucket that still fits: all trainable gradients in
-    one bucket up to DeepSpeed's 5e8 (:func:`launcher.config.profiles.bucket_sizes`), else the largest halving of it
-    that fits, down to hidden**2. Not priced by the step-time model: on one rank a bucket is a fixed cost per
-    reduction with nothing to overlap (fewer is never slower), so the only trade is memory, which the plan
-    counts (two buffers of the bucket size in the compute dtype)."""
+    """The chosen setting of ``p`` with its gradient bucket sized for the budget: the sizes tried are all trainable
+    gradients in one bucket up to DeepSpeed's 5e8 (:func:`launcher.config.profiles.bucket_sizes`) and its halvings
+    down to hidden**2, each planned (two buffers of the bucket size in the compute dtype on the GPU).
+
+    Without optimizer offload a bucket on one rank is a fixed cost per reduction with nothing to overlap (fewer is
+    never slower): the largest that fits. With optimizer offload each full bucket is copied to the CPU while backward
+    goes on, and the last one only after it: a bucket as large as the gradients overlaps nothing and holds a second
+    copy of them on the GPU (issue 43: the offload profile held more GPU memory than ZeRO-2 without offload). Priced
+    (``machine``), the fastest that fits, the smaller on a tie; unpriced, the largest that fits of at most
+    1/:data:`OFFLOAD_BUCKETS` of the gradients."""
     if not _bucket_choice(p, run) or not row.available or not row.fits or row.lower_bound:
         return row
     h2 = run.hidden ** 2
-    size = bucket_sizes(run.hidden, 1, run.counts.adapters if run.lora_r else run.counts.total)["reduce_bucket_size"]
-    shape = dataclasses.replace(run, checkpointing=row.checkpointing, checkpoint_every=row.checkpoint_every)
+    trainable = run.counts.adapters if run.lora_r else run.counts.total
+    size = bucket_sizes(run.hidden, 1, trainable)["reduce_bucket_size"]
+    shape = dataclasses.replace(run, checkpointing=row.checkpointing, checkpoint_every=row.checkpoint_every,
+                                offload_activations=row.offload_activations)
+    sizes = []
     while size > h2:
+        sizes.append(size)
+        size //= 2
+    if p.offload_optimizer and machine is None:
+        sizes = [s for s in sizes if s <= trainable // OFFLOAD_BUCKETS] or sizes[-1:]
+    best = None
+    for size in sizes:
         bigger = _plan_profile(dataclasses.replace(p, reduce_bucket_size=size), shape, row.micro_batch, gpu_budget,
                                cpu_budget, machine=machine, pinned=pinned, max_steps=max_steps, exact=exact)
-        if bigger.fits:
-            bigger.reduce_bucket_size = size
-            return bigger
-        size //= 2
-    row.reduce_bucket_size = h2
+        if not bigger.fits:
+            continue
+        bigger.reduce_bucket_size = size
+        if not (p.offload_optimizer and machine is not None and bigger.step_s is not None):
+            return bigger  # the largest that fits
+        if best is None or bigger.step_s < best.step_s * (1 - 1e-9):
+            best = bigger
+    if best is not None and (row.step_s is None or best.step_s <= row.step_s):
+        return best
+    row.reduce_bucket_size = h2  # the row was planned with hidden**2 buckets (_smallest_buckets)
     return row
+
+
+# Unpriced, ZeRO's optimizer offload gets buckets of at most this share of the gradients, so that all but the last
+# are copied to the CPU while backward goes on.
+OFFLOAD_BUCKETS = 8
 
 
 def _settle_chosen(searched: list, avail: Availability, run: RunShape, gpu_budget: int, cpu_budget: int,

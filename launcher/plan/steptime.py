@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from launcher.config.profiles import Profile
+from launcher.config.profiles import DS_DEFAULT_BUCKET, Profile
 from launcher.machine.speeds import Machine, Rates
 
 # ------------------------------------------------------------------------------------------------
@@ -89,6 +89,11 @@ def moving_parts(p: Profile, offload_activations: bool = False) -> tuple[int, in
                + 2 * (int(getattr(p, "nvme_optimizer", False)) + int(getattr(p, "nvme_param", False))))
     engine = {"amp": 0, "fsdp": 2}.get(p.engine, 3 if p.zero_stage >= 3 else 1)
     return offload, engine
+
+
+# ZeRO's gradient buckets: the ops each flush of a bucket costs besides its bytes (flatten, copy, event, the hook's
+# bookkeeping), priced at the machine's measured per-op cost; what makes a smaller bucket slower.
+BUCKET_OPS = 4
 
 
 # Which copies overlap compute, per engine (True: they run on a side stream while layers compute).
@@ -226,6 +231,7 @@ def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int
     h2d = machine.h2d_bytes_per_s.get(link) or machine.host.memory_bytes_per_s
     d2h = machine.d2h_bytes_per_s.get(link) or machine.host.memory_bytes_per_s
     grads_down = weights_up_micro = weights_up_step = 0.0
+    tail_share = 0.0  # the share of grads_down that leaves after the backward (nothing left to overlap it)
     traffic_micro = traffic_step = 0.0  # bytes of the engine's own passes on the compute device
     host_traffic_step = 0.0
     if fam == "zero2":
@@ -235,6 +241,12 @@ def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int
         traffic_step = (cd + 4 + 4 + 8 + 4 + cd) * trainable
     elif fam == "zero2_offload":
         grads_down = cd * trainable
+        # with overlap_comm a bucket leaves for the CPU once it is full: the last one only after backward, so its
+        # share of the gradients is copied with nothing to hide behind; each bucket costs a few ops of its own
+        # (the flatten into the bucket, the copy, the event, the hook's bookkeeping)
+        bucket = p.reduce_bucket_size or min(DS_DEFAULT_BUCKET, trainable)
+        tail_share = min(1.0, bucket / max(1, trainable))
+        micro_fixed += BUCKET_OPS * machine.compute.op_s * -(-trainable // max(1, bucket))
         traffic_micro = 2 * cd * trainable
         host_traffic_step = (4 + 8) * trainable  # norm and clip of the fp32 gradients on the CPU
         weights_up_step = cd * trainable
@@ -277,7 +289,7 @@ def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int
         micro = max(fb, t_weights_micro + t_grads)
         exposed_copies = max(0.0, micro - fb)
     elif on_gpu and overlap.get("grads"):
-        micro = max(fb, t_grads) + t_weights_micro
+        micro = max(fb, t_grads * (1 - tail_share)) + t_grads * tail_share + t_weights_micro
         exposed_copies = micro - fb
     else:
         micro = fb + t_grads + t_weights_micro
