@@ -101,3 +101,22 @@ def test_a_bucket_as_large_as_the_gradients_overlaps_nothing():
     whole = steptime.predict(replace(p, reduce_bucket_size=c.total), machine(), **kw)
     eighth = steptime.predict(replace(p, reduce_bucket_size=c.total // 8), machine(), **kw)
     assert whole.parts["copies"] > eighth.parts["copies"]
+
+
+def test_refused_with_bitsandbytes_and_next_on_the_oom_ladder():
+    """bitsandbytes' quantization and 8-bit optimizers are refused with the reason (not a CPU optimizer); an AMP run
+    out of memory with checkpointing on moves to its optimizer offload first (the same engine, the next rank)."""
+    from launcher.config.profiles import PROFILES
+    from launcher.plan import availability
+    from launcher.plan.ladder import Rung, next_move
+
+    hw = fake_hw(gpu_gib=80, ram_gib=64, capability=(8, 0), bnb="0.49.0")
+    for extra, why in (("model.quantize=4bit", "without optimizer offload"), ("train.optimizer=adamw8bit", "CPU")):
+        avail = availability.assess(load_config(None, [*BASE, "lora.r=8" if "quantize" in extra else "lora.r=0",
+                                                       extra]), hw)
+        assert why in avail.problems["amp-bf16-offload-opt"]
+    avail = availability.assess(load_config(None, BASE), hw)
+    usable = avail.usable()
+    move = next_move(Rung(1, 1, True, "amp-bf16"), usable)
+    assert move.kind == "profile" and move.to.profile == "amp-bf16-offload-opt"
+    assert PROFILES[move.to.profile].offload_optimizer

@@ -249,6 +249,8 @@ class OffloadOptEngine:
 
     def load(self, directory: str) -> dict:
         blob = torch.load(os.path.join(directory, "engine.pt"), map_location="cpu", weights_only=False)
+        if "param_groups" in blob["optimizer"]:  # one torch optimizer's state (the AMP engine's): not ours
+            raise RuntimeError(f"{directory}: written by another engine (its optimizer state is not by parameter name)")
         with torch.no_grad():
             for i, name in enumerate(self.names):
                 if name in blob["model"]:

@@ -739,8 +739,9 @@ def _grow_buckets(p: Profile, run: RunShape, row: ProfilePlan, gpu_budget: int, 
     never slower): the largest that fits. With optimizer offload each full bucket is copied to the CPU while backward
     goes on, and the last one only after it: a bucket as large as the gradients overlaps nothing and holds a second
     copy of them on the GPU (issue 43: the offload profile held more GPU memory than ZeRO-2 without offload). Priced
-    (``machine``), the fastest that fits, the smaller on a tie; unpriced, the largest that fits of at most
-    1/:data:`OFFLOAD_BUCKETS` of the gradients."""
+    (``machine``), the fastest that fits (the larger on a tie: ZeRO-3's step-time model does not price its buckets,
+    so it keeps the largest that fits); unpriced, the largest that fits of at most 1/:data:`OFFLOAD_BUCKETS` of the
+    gradients."""
     if not _bucket_choice(p, run) or not row.available or not row.fits or row.lower_bound:
         return row
     h2 = run.hidden ** 2
