@@ -120,3 +120,31 @@ def test_refused_with_bitsandbytes_and_next_on_the_oom_ladder():
     move = next_move(Rung(1, 1, True, "amp-bf16"), usable)
     assert move.kind == "profile" and move.to.profile == "amp-bf16-offload-opt"
     assert PROFILES[move.to.profile].offload_optimizer
+
+
+def test_without_step_times_the_amp_family_goes_before_zero():
+    """Unpriced on a GPU: plain AMP, then its optimizer offload, then ZeRO-2, its offload, FSDP2, ZeRO-3 (a ZeRO-1/2
+    profile is chosen over the AMP family only where it is priced faster or AMP cannot run)."""
+    from launcher.plan import availability
+
+    names = [p.name for p in availability.assess(load_config(None, BASE), fake_hw(capability=(8, 0))).usable()]
+    assert names[:5] == ["amp-bf16", "amp-bf16-offload-opt", "zero2-bf16", "zero2-bf16-offload-opt",
+                         "fsdp-bf16-offload"], names
+
+
+def test_several_ranks_never_get_it():
+    """It has no gradient all-reduce: planned for two ranks it is shown, not chosen, with the reason; asked by
+    name for two ranks it is refused before anything loads."""
+    import pytest
+
+    from launcher.config.schema import ConfigError
+    from launcher.plan import availability, resolve
+
+    hw = fake_hw(gpu_gib=80, ram_gib=64, capability=(8, 0))
+    cfg = load_config(None, [*BASE, "train.global_batch_size=2"])
+    p = planner.plan(cfg, hw, world=2)
+    row = p.get("amp-bf16-offload-opt")
+    assert not row.available and availability.ONE_RANK in row.why_not
+    with pytest.raises(ConfigError, match="one rank"):
+        resolve.resolve(load_config(None, [*BASE, "train.global_batch_size=2", "profile=amp-bf16-offload-opt"]), hw,
+                        world=2)

@@ -531,7 +531,8 @@ def plan(cfg: Config, hw: Hardware, profiles: list[str] | None = None, *, world:
     for n in names:
         p = avail.profile(n)
         row, cands = _best_setting(_smallest_buckets(p, run), run, cfg, asked, gpu_budget, cpu_budget,
-                                   avail.why_not(n), machine, pinned, exact=exact_rows)
+                                   avail.why_not(n) or availability.rank_problem(p, world), machine, pinned,
+                                   exact=exact_rows)
         searched.append((_grow_buckets(p, run, row, gpu_budget, cpu_budget, machine, pinned, cfg.train.max_steps,
                                        exact=exact_rows), cands))
     if not exact_rows:
