@@ -2,7 +2,10 @@
 short summary table printed last (also written to OUT/summary.md).
 
     python scripts/gpu_bench_report.py best-micro-batch OUT/find_mb_16gb/results.json zero2-bf16
-    python scripts/gpu_bench_report.py summary OUT zero2-bf16 zero2-bf16-offload-opt
+    python scripts/gpu_bench_report.py summary OUT amp-bf16 amp-bf16-offload-opt [zero2-bf16-offload-opt]
+
+Each measured row is shown beside the planner's prediction for it: GPU bytes always, the step time where the host
+was calibrated (``predicted_step_s``; "-" where the plan was not priced).
 """
 
 from __future__ import annotations
@@ -32,38 +35,63 @@ def _tps(x) -> str:
     return "-" if not x else f"{x:.0f}"
 
 
-def summary(out: str, nooff: str, off: str) -> str:
+def _step(r: dict) -> str:
+    """'measured / planned' seconds per step."""
+    m, p = r.get("step_s"), r.get("predicted_step_s")
+    return f"{m:.3g} / {p:.3g}" if m and p else (f"{m:.3g} / -" if m else "-")
+
+
+def _same(out: str, name: str, nooff: str, title: str) -> list[str]:
+    """A stage that ran several profiles at one setting: tokens/s as ratios to ``nooff``'s."""
+    rows = load(out, name)
+    if not rows:
+        return []
+    base = next((r.get("tokens_per_s") for r in rows if r["profile"] == nooff), None)
+    lines = ["", f"{title}: profile | status | tokens/s | vs {nooff} | step s measured / planned | peak GPU GiB | "
+                 "planned GPU GiB | peak CPU GiB"]
+    for r in rows:
+        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base and r.get("tokens_per_s") else "-"
+        lines.append(f"  {r['profile']} | {r['status']} | {_tps(r.get('tokens_per_s'))} | {ratio} | {_step(r)} | "
+                     f"{_gib(r.get('peak_gpu_bytes'))} | {_gib(r.get('predicted_gpu_bytes'))} | "
+                     f"{_gib(r.get('peak_cpu_rss_bytes'))}")
+    return lines
+
+
+def summary(out: str, nooff: str, off: str, zoff: str | None = None) -> str:
     stages = open(os.path.join(out, "stages.tsv")).read().splitlines()[1:]
     lines = ["", f"# gpu_bench summary ({out})", "",
              "stages: " + "; ".join("{} {}".format(*row.split("\t")[:2]) for row in stages), ""]
+    lines += _same(out, "same_mb", nooff, "same setting, whole card (llama-1b, micro-batch 8 on a GPU)")
     card = load(out, "card")
     if card:
-        lines += ["card: profile | status | tokens/s | ratio | peak GPU GiB | planned GPU GiB | peak CPU GiB"]
+        lines += ["", "card: profile | status | tokens/s | ratio | peak GPU GiB | planned GPU GiB | peak CPU GiB | "
+                  "step s measured / planned"]
         lines += [f"  {r['profile']} | {r['status']} | {_tps(r.get('tokens_per_s'))} | {r.get('ratio_to_fastest') or '-'} | "
                   f"{_gib(r.get('peak_gpu_bytes'))} | {_gib(r.get('predicted_gpu_bytes'))} | {_gib(r.get('peak_cpu_rss_bytes'))}"
-                  for r in card]
+                  f" | {_step(r)}" for r in card]
     fa = {r["profile"]: r for r in load(out, "find_mb_16gb")}
     if fa:
         a, b = fa.get(nooff, {}), fa.get(off, {})
         lines += ["", "(a) 16 GB cap, largest micro-batch (measured / planner) and tokens/s there:"]
-        for name, r in ((nooff, a), (off, b)):
+        for name, r in ((nooff, a), (off, b), *(((zoff, fa[zoff]),) if zoff in fa else ())):
             lines.append(f"  {name}: mb {r.get('best_micro_batch') or '-'} / {r.get('planned_best_micro_batch') or '-'}, "
                          f"{_tps(r.get('tokens_per_s'))} tokens/s, peak GPU {_gib(r.get('peak_gpu_bytes'))} GiB")
         if a.get("tokens_per_s") and b.get("tokens_per_s"):
             lines.append(f"  offload / no offload, each at its best: {b['tokens_per_s'] / a['tokens_per_s']:.2f}x")
-        eq = load(out, "equal_mb_16gb")
-        if eq and eq[0].get("tokens_per_s") and a.get("tokens_per_s"):
-            lines.append(f"  offload / no offload at micro-batch {eq[0].get('micro_batch')}: "
-                         f"{eq[0]['tokens_per_s'] / a['tokens_per_s']:.2f}x")
+        if zoff in fa and a.get("tokens_per_s") and fa[zoff].get("tokens_per_s"):
+            lines.append(f"  {zoff} / no offload, each at its best: {fa[zoff]['tokens_per_s'] / a['tokens_per_s']:.2f}x")
+        for e in load(out, "equal_mb_16gb"):
+            if e.get("tokens_per_s") and a.get("tokens_per_s"):
+                lines.append(f"  {e['profile']} / no offload at micro-batch {e.get('micro_batch')}: "
+                             f"{e['tokens_per_s'] / a['tokens_per_s']:.2f}x")
     fb = load(out, "find_model_16gb")
     if fb:
         lines += ["", "(b) 16 GB cap, largest model that trains (measured / planner):"]
         lines += [f"  {r['profile']}: {r.get('best_model') or '-'} / {r.get('planned_best_model') or '-'}  (tried: "
                   + ", ".join(f"{c['candidate']} {c['status']}" for c in r.get("candidates", [])) + ")" for r in fb]
-    c24 = load(out, "card_24gb")
-    if c24:
-        lines += ["", "24 GB cap: " + "; ".join(f"{r['profile']} {r['status']} {_tps(r.get('tokens_per_s'))} tokens/s, "
-                                               f"peak GPU {_gib(r.get('peak_gpu_bytes'))} GiB" for r in c24)]
+    lines += _same(out, "card_24gb", nooff, "24 GB cap (llama-1b, micro-batch 4 on a GPU)")
+    lines += _same(out, "lora_16gb", nooff, "16 GB cap, LoRA r=16")
+    lines += _same(out, "qlora_16gb", nooff, "16 GB cap, QLoRA r=16 (4-bit base)")
     mon = os.path.join(out, "monitor", "bench_monitor.json")
     if os.path.exists(mon):
         m = json.load(open(mon))
@@ -80,7 +108,7 @@ def main(argv: list[str]) -> int:
     if len(argv) == 3 and argv[0] == "best-micro-batch":
         print(best_micro_batch(argv[1], argv[2]))
         return 0
-    if len(argv) == 4 and argv[0] == "summary":
+    if len(argv) in (4, 5) and argv[0] == "summary":
         text = summary(*argv[1:])
         with open(os.path.join(argv[1], "summary.md"), "w") as fh:
             fh.write(text + "\n")

@@ -271,13 +271,15 @@ def test_fsdp_trains_with_deepspeed_unimportable(tmp_path, no_deepspeed_path):
 
 
 def test_oom_ladder_carries_the_fp16_loss_scale(runs):
-    """amp-fp16 -> fsdp-fp16-offload: the new engine starts at the scale the old one had reached (the scale
-    doubles every 2 clean steps here), not at 2**initial_power again, so no steps are skipped finding it."""
+    """amp-fp16 -> amp-fp16-offload-opt -> fsdp-fp16-offload: each new engine starts at the scale the old one had
+    reached (the scale doubles every 2 clean steps here), not at 2**initial_power again, so no steps are skipped
+    finding it."""
     fp16 = ["train.global_batch_size=4", "train.max_steps=6", "train.warmup_steps=2", "loss_scale.initial_power=4",
             "loss_scale.window=2", "precision=fp16"]
     s, rows = runs("amp-fp16-to-fsdp", *fp16, "profile=amp-fp16", "train.micro_batch_size=1",
-                   "model.gradient_checkpointing=true", hooks=oom_in_backward([3]))
+                   "model.gradient_checkpointing=true", hooks=oom_in_backward([3, 4]))
     assert s["status"] == "completed" and s["profile"] == "fsdp-fp16-offload", s["fallbacks"]
+    assert [f["to"]["profile"] for f in s["fallbacks"]] == ["amp-fp16-offload-opt", "fsdp-fp16-offload"]
     scales = [r["loss_scale"] for r in rows]
     assert s["skipped_steps"] == 0 and scales[2] > 16, scales
-    assert scales[3] >= scales[2], scales  # after the move: carried (a fresh scaler would be back at 16)
+    assert scales[4] >= scales[3] >= scales[2], scales  # after each move: carried (a fresh scaler would be at 16)

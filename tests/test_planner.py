@@ -344,10 +344,11 @@ def test_plan_json_contract():
 
 
 def test_choice_precision_engines_and_ties():
-    p = tiny_plan()  # capability 8.0: bf16; everything fits; rank 1 tie between amp and zero2 -> DeepSpeed
-    assert p.settings["precision"] == "bf16" and p.chosen == "zero2-bf16"
+    p = tiny_plan()  # capability 8.0: bf16; everything fits; rank 1 tie between amp and zero2 -> AMP (issue 43)
+    assert p.settings["precision"] == "bf16" and p.chosen == "amp-bf16"
     assert {r.precision for r in p.profiles} == {"bf16"}
-    assert tiny_plan(hw=fake_hw(capability=(7, 5))).chosen == "zero2-fp16"
+    assert tiny_plan(hw=fake_hw(capability=(7, 5))).chosen == "amp-fp16"
+    assert tiny_plan("engine=deepspeed").chosen == "zero2-bf16"
     assert tiny_plan(hw=fake_hw(capability=(8, 0), deepspeed=None)).chosen == "amp-bf16"
     assert tiny_plan("engine=amp").chosen == "amp-bf16"
     assert tiny_plan("profile=zero3-bf16-offload-all").chosen == "zero3-bf16-offload-all"

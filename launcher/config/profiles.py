@@ -65,6 +65,13 @@ def _catalogue() -> dict[str, Profile]:
     for prec in ("fp16", "bf16", "fp32"):
         add(Profile(f"amp-{prec}", "amp", prec, speed_rank=1,
                     gpu_holds="everything (fp32 weights, grads, Adam states, activations)", cpu_holds="nothing"))
+    # the optimizer on the CPU with torch alone (launcher/engines/offload_opt.py): gradients leave during backward,
+    # once per step; the CPU updates the fp32 masters and the new 16-bit weights come back
+    for prec in ("fp16", "bf16"):
+        add(Profile(f"amp-{prec}-offload-opt", "amp", prec, offload_optimizer=True, speed_rank=2,
+                    gpu_holds="16-bit weights, activations, one parameter's gradient at a time (all of them while "
+                              "accumulating)",
+                    cpu_holds="fp32 master, its gradients, Adam m and v, a 16-bit copy for the transfers"))
     for prec in ("fp16", "bf16", "fp32"):
         add(Profile(f"zero2-{prec}", "deepspeed", prec, zero_stage=2, speed_rank=1,
                     gpu_holds="everything", cpu_holds="nothing"))
@@ -377,6 +384,8 @@ def table_markdown() -> str:
     for p in PROFILES.values():
         engine = {"amp": "torch autocast + GradScaler", "fsdp": "torch FSDP2 + CPUOffloadPolicy",
                   "deepspeed": f"DeepSpeed ZeRO-{p.zero_stage}"}[p.engine]
+        if p.engine == "amp" and p.offload_optimizer:
+            engine = "torch, 16-bit model + CPU AdamW on fp32 masters (gradients sent during backward)"
         if p.offload_optimizer and p.is_deepspeed:
             engine += (f" + offload_optimizer {'nvme' if p.nvme_optimizer else 'cpu'}"
                        + (f" + offload_param {'nvme' if p.nvme_param else 'cpu'}" if p.offload_param else ""))

@@ -279,7 +279,7 @@ class Config:
     seed: int = _f(1234, "Seed for model init, data order and dropout.", min=0, max=2**32 - 1)  # numpy's range
     run_name: str = _f("", "Run directory name under output_dir; empty = <model>-<timestamp>.")
     output_dir: str = _f("runs", "Where run directories are made.")
-    engine: str = _f("auto", "auto (DeepSpeed when it imports and can run the profile, else torch), deepspeed, amp, fsdp.",
+    engine: str = _f("auto", "auto (the fastest that fits; torch's AMP before DeepSpeed on a tie), deepspeed, amp, fsdp.",
                      choices=ENGINES)
     profile: str = _f("auto", "auto (fastest profile that fits the budget) or a profile name (vramfit profiles).")
     deepspeed_config: str = _f("", "Path to your own DeepSpeed JSON (HF Trainer/Accelerate style, \"auto\" allowed): "

@@ -15,13 +15,14 @@ from launcher.engines.amp import AmpEngine
 from launcher.engines.base import Levers, make_optimizer
 from launcher.engines.deepspeed import DeepSpeedEngine, restore_torch_functions
 from launcher.engines.fsdp import FsdpEngine
+from launcher.engines.offload_opt import OffloadOptEngine
 from launcher.engines.swap import nvme_folder
 from launcher.log import logger
 from launcher.machine.hardware import Hardware, pin_memory_ok
 from launcher.model.build import param_groups
 from launcher.model.loss import liger_available
 from launcher.model.materialize import Placement
-from launcher.precision import trainable_dtype, weight_dtype
+from launcher.precision import BYTES, trainable_dtype, weight_dtype
 
 
 def restore_globals() -> None:
@@ -35,6 +36,7 @@ def placement(spec, adapters: bool) -> Placement:
     on the CPU for FSDP2 offload and ZeRO-3 (which take them from there unit by unit, sharded); the base in
     :func:`launcher.precision.weight_dtype`, what trains in :func:`launcher.precision.trainable_dtype`."""
     on_cpu = spec.engine == "fsdp" or (spec.engine == "deepspeed" and spec.profile.zero_stage == 3)
+    on_cpu = on_cpu or (spec.engine == "amp" and spec.profile.offload_optimizer)  # the fp32 masters stay there
     return Placement(torch.device("cpu") if on_cpu else spec.device, weight_dtype(spec.engine, spec.precision, adapters),
                      trainable_dtype(spec.engine, spec.precision))
 
@@ -92,6 +94,12 @@ def build(cfg, spec, model, hw: Hardware, hidden_size: int, lr: float, materiali
         return FsdpEngine(model, precision=spec.precision, device=spec.device, lr=lr, betas=betas, eps=t.eps,
                           weight_decay=t.weight_decay, grad_clip=t.grad_clip, loss_scale=cfg.loss_scale,
                           pin_memory=pin, levers=levers, materializer=materializer), None
+    if spec.profile.offload_optimizer:  # amp-*-offload-opt: the 16-bit model on the device, the update on the CPU
+        pin, why = engine_pinning(spec, hw, BYTES[spec.precision] * n_train)
+        logger.info(f"pin_memory {'on' if pin else 'off'}: {why}")
+        return OffloadOptEngine(model, precision=spec.precision, device=spec.device, param_groups=groups, lr=lr,
+                                betas=betas, eps=t.eps, grad_clip=t.grad_clip, loss_scale=cfg.loss_scale,
+                                pin_memory=pin, levers=levers), None
     return AmpEngine(model, precision=spec.precision, device=spec.device, param_groups=groups, lr=lr, betas=betas,
                      eps=t.eps, grad_clip=t.grad_clip, loss_scale=cfg.loss_scale, optimizer=t.optimizer,
                      levers=levers), None

@@ -35,8 +35,9 @@ def profile_for(fam: str, gpu_bf16: bool | None):
     if "@" in fam:  # 'family@precision': that family at that precision
         fam, exact = fam.split("@")
         p16 = exact
-    return PROFILES[{"amp": f"amp-{exact}", "zero2": f"zero2-{exact}", "zero2_offload": f"zero2-{p16}-offload-opt",
-                     "zero3_offload": f"zero3-{p16}-offload-all", "fsdp": f"fsdp-{p16}-offload"}[fam]]
+    return PROFILES[{"amp": f"amp-{exact}", "amp_offload": f"amp-{p16}-offload-opt", "zero2": f"zero2-{exact}",
+                     "zero2_offload": f"zero2-{p16}-offload-opt", "zero3_offload": f"zero3-{p16}-offload-all",
+                     "fsdp": f"fsdp-{p16}-offload"}[fam]]
 
 
 def _engine_problem(p, cfg, hw, device) -> str | None:

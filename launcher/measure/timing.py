@@ -15,7 +15,7 @@ import torch
 from launcher.machine.hardware import op_state, use_env_ninja
 
 MiB = 1 << 20
-FAMILIES = ("amp", "zero2", "zero2_offload", "zero3_offload", "fsdp")  # steptime.family names measured here
+FAMILIES = ("amp", "amp_offload", "zero2", "zero2_offload", "zero3_offload", "fsdp")  # steptime.family names measured here
 # Measured again at another precision on a CPU, kept as 'family@precision': DeepSpeed's bf16 path (16-bit
 # weights, its fp32 partitions and the copy back) costs another engine time than its fp32 one (tiny Llama,
 # batch 8: zero2-bf16 ran 140 ms a step where zero2-fp32's numbers priced it at 84).

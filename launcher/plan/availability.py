@@ -28,9 +28,12 @@ from launcher.config.schema import AUTO, Config, ConfigError
 from launcher.machine.hardware import Hardware
 from launcher.precision import PRECISIONS, deepspeed_runs_fp16
 
-ENGINE_PREFERENCE = ("deepspeed", "amp", "fsdp")  # equal speed rank: DeepSpeed first (fused ops, tested most)
-# On a CPU DeepSpeed has no fused ops to offer and adds its engine's work to every step (docs/calibration.md: its
-# per-step and per-parameter terms), so without step times torch's AMP path goes first there.
+# Equal speed rank and no step times: torch's AMP path first, on a GPU as on a CPU. On one H200 (issue 43, llama-125m,
+# seq 512, micro-batch 8) ZeRO-2 without offload held the memory AMP held and ran at 0.56x its tokens/s, ZeRO-2
+# optimizer offload at 0.32x; on a CPU DeepSpeed has no fused ops to offer and adds its engine's work to every step
+# (docs/calibration.md: its per-step and per-parameter terms). A ZeRO profile of the same rank is chosen only where
+# it is priced faster (a calibrated machine) or the AMP one cannot run.
+ENGINE_PREFERENCE = ("amp", "deepspeed", "fsdp")
 ENGINE_PREFERENCE_CPU = ("amp", "deepspeed", "fsdp")
 
 
@@ -88,6 +91,11 @@ def profile_problem(p: Profile, cfg: Config, hw: Hardware, device: torch.device)
             return "model.compile=true compiles the model on the AMP and FSDP paths only"
         if p.precision == "fp16" and not deepspeed_runs_fp16(device.type):
             return f"DeepSpeed refuses fp16 on the {device.type.upper()}"
+    if p.engine == "amp" and p.offload_optimizer:  # launcher/engines/offload_opt.py: torch's AdamW on fp32 masters
+        if cfg.model.quantize != "none":
+            return f"model.quantize={cfg.model.quantize} (bitsandbytes) runs on the AMP path without optimizer offload"
+        if cfg.train.optimizer != "adamw":
+            return f"train.optimizer={cfg.train.optimizer} (bitsandbytes) is not a CPU optimizer"
     if p.engine != "amp":
         if cfg.model.quantize != "none":
             return f"model.quantize={cfg.model.quantize} (bitsandbytes) runs on the AMP path only"
@@ -148,8 +156,8 @@ class Availability:
         return self.problems.get(name) or self.unwanted.get(name)
 
     def usable(self, allow_offload: bool = False) -> list[Profile]:
-        """Profiles of the run's precision that can run and are wanted, fastest first (DeepSpeed first on a
-        tie). ``allow_offload``: also offload profiles on a CPU (the OOM ladder's further rungs). With a
+        """Profiles of the run's precision that can run and are wanted, fastest first (AMP first on a tie).
+        ``allow_offload``: also offload profiles on a CPU (the OOM ladder's further rungs). With a
         deepspeed_config, its custom profile alone (the OOM ladder never swaps it for a catalogue one)."""
         if self.user is not None:
             return [] if self.user.profile.name in self.problems else [self.user.profile]
@@ -183,8 +191,20 @@ NO_NVME_PATH = "offloads to NVMe; memory.nvme_path is not set"
 
 
 def rank_key(p: Profile, device: str = "cuda") -> tuple:
-    """The order without step times: the speed rank, then the engine (DeepSpeed first on a GPU, AMP on a CPU)."""
-    return (p.speed_rank, (ENGINE_PREFERENCE_CPU if device == "cpu" else ENGINE_PREFERENCE).index(p.engine))
+    """The order without step times: the AMP family first (plain, then its optimizer offload: issue 43 measured
+    ZeRO-2 at 0.56x AMP with the same memory on one GPU), then the others by speed rank and engine (DeepSpeed,
+    FSDP). ZeRO-1/2 without offload is chosen over the AMP family only where it is priced faster or AMP cannot run."""
+    amp_family = p.engine == "amp" and not p.offload_param
+    return (0 if amp_family else 1, p.speed_rank,
+            (ENGINE_PREFERENCE_CPU if device == "cpu" else ENGINE_PREFERENCE).index(p.engine))
+
+
+ONE_RANK = "runs on one rank (torch's optimizer offload has no gradient all-reduce: ZeRO or FSDP2 for several)"
+
+
+def rank_problem(p: Profile, world: int) -> str | None:
+    """Why ``p`` cannot run on ``world`` ranks (None when it can): the AMP optimizer offload is one rank's."""
+    return ONE_RANK if world > 1 and p.engine == "amp" and p.offload_optimizer else None
 
 
 def assess(cfg: Config, hw: Hardware, local_rank: int = 0) -> Availability:

@@ -221,10 +221,10 @@ def _attention_kernel(run: RunShape, dtype: torch.dtype) -> str:
 
 def trace_family(p: Profile) -> str:
     """Which trace a profile's activations come from: 'amp' (fp32 weights under autocast), '16bit' (the
-    whole model in fp16/bf16: DeepSpeed, FSDP's param dtype) or 'fp32'."""
+    whole model in fp16/bf16: DeepSpeed, FSDP's param dtype, AMP with the optimizer offloaded) or 'fp32'."""
     if p.precision == "fp32":
         return "fp32"
-    return "amp" if p.engine == "amp" else "16bit"
+    return "amp" if p.engine == "amp" and not p.offload_optimizer else "16bit"
 
 
 def _trace_settings(run: RunShape, family: str, micro_batch: int) -> TraceSettings:
@@ -335,7 +335,7 @@ def _plan_profile(p: Profile, run: RunShape, micro_batch: int, gpu_budget: int, 
             if logits > CHUNK_SHARE * (gpu_budget if on_gpu else cpu_budget):
                 run = dataclasses.replace(run, chunked_loss=True)
         est = activations(run, trace_family(p), micro_batch, exact, compose)
-        grads_from_trace = p.engine == "amp" and accumulation == 1
+        grads_from_trace = p.engine == "amp" and accumulation == 1 and not p.offload_optimizer  # (they leave)
         for part, n in _activation_parts(est, with_grads=grads_from_trace).items():
             add_part(fb, part, n)
     phases = {"forward_backward": fb, "optimizer_step": dict(st["gpu_step"])}
@@ -554,7 +554,8 @@ def plan(cfg: Config, hw: Hardware, profiles: list[str] | None = None, *, world:
     for n in names:
         p = avail.profile(n)
         row, cands = _best_setting(_smallest_buckets(p, run), run, cfg, asked, gpu_budget, cpu_budget,
-                                   avail.why_not(n), machine, pinned, exact=exact_rows)
+                                   avail.why_not(n) or availability.rank_problem(p, world), machine, pinned,
+                                   exact=exact_rows)
         searched.append((_grow_buckets(p, run, row, gpu_budget, cpu_budget, machine, pinned, cfg.train.max_steps,
                                        exact=exact_rows), cands))
     if not exact_rows:
@@ -762,25 +763,50 @@ def _smallest_buckets(p: Profile, run: RunShape) -> Profile:
 
 def _grow_buckets(p: Profile, run: RunShape, row: ProfilePlan, gpu_budget: int, cpu_budget: int,
                   machine: Machine | None, pinned: bool, max_steps: int, exact: bool = True) -> ProfilePlan:
-    """The chosen setting of ``p`` with the largest gradient bucket that still fits: all trainable gradients in
-    one bucket up to DeepSpeed's 5e8 (:func:`launcher.config.profiles.bucket_sizes`), else the largest halving of it
-    that fits, down to hidden**2. Not priced by the step-time model: on one rank a bucket is a fixed cost per
-    reduction with nothing to overlap (fewer is never slower), so the only trade is memory, which the plan
-    counts (two buffers of the bucket size in the compute dtype)."""
+    """The chosen setting of ``p`` with its gradient bucket sized for the budget: the sizes tried are all trainable
+    gradients in one bucket up to DeepSpeed's 5e8 (:func:`launcher.config.profiles.bucket_sizes`) and its halvings
+    down to hidden**2, each planned (two buffers of the bucket size in the compute dtype on the GPU).
+
+    Without optimizer offload a bucket on one rank is a fixed cost per reduction with nothing to overlap (fewer is
+    never slower): the largest that fits. With optimizer offload each full bucket is copied to the CPU while backward
+    goes on, and the last one only after it: a bucket as large as the gradients overlaps nothing and holds a second
+    copy of them on the GPU (issue 43: the offload profile held more GPU memory than ZeRO-2 without offload). Priced
+    (``machine``), the fastest that fits (the larger on a tie: ZeRO-3's step-time model does not price its buckets,
+    so it keeps the largest that fits); unpriced, the largest that fits of at most 1/:data:`OFFLOAD_BUCKETS` of the
+    gradients."""
     if not _bucket_choice(p, run) or not row.available or not row.fits or row.lower_bound:
         return row
     h2 = run.hidden ** 2
-    size = bucket_sizes(run.hidden, 1, run.counts.adapters if run.lora_r else run.counts.total)["reduce_bucket_size"]
-    shape = dataclasses.replace(run, checkpointing=row.checkpointing, checkpoint_every=row.checkpoint_every)
+    trainable = run.counts.adapters if run.lora_r else run.counts.total
+    size = bucket_sizes(run.hidden, 1, trainable)["reduce_bucket_size"]
+    shape = dataclasses.replace(run, checkpointing=row.checkpointing, checkpoint_every=row.checkpoint_every,
+                                offload_activations=row.offload_activations)
+    sizes = []
     while size > h2:
+        sizes.append(size)
+        size //= 2
+    if p.offload_optimizer and machine is None:
+        sizes = [s for s in sizes if s <= trainable // OFFLOAD_BUCKETS] or sizes[-1:]
+    best = None
+    for size in sizes:
         bigger = _plan_profile(dataclasses.replace(p, reduce_bucket_size=size), shape, row.micro_batch, gpu_budget,
                                cpu_budget, machine=machine, pinned=pinned, max_steps=max_steps, exact=exact)
-        if bigger.fits:
-            bigger.reduce_bucket_size = size
-            return bigger
-        size //= 2
-    row.reduce_bucket_size = h2
+        if not bigger.fits:
+            continue
+        bigger.reduce_bucket_size = size
+        if not (p.offload_optimizer and machine is not None and bigger.step_s is not None):
+            return bigger  # the largest that fits
+        if best is None or bigger.step_s < best.step_s * (1 - 1e-9):
+            best = bigger
+    if best is not None and (row.step_s is None or best.step_s <= row.step_s):
+        return best
+    row.reduce_bucket_size = h2  # the row was planned with hidden**2 buckets (_smallest_buckets)
     return row
+
+
+# Unpriced, ZeRO's optimizer offload gets buckets of at most this share of the gradients, so that all but the last
+# are copied to the CPU while backward goes on.
+OFFLOAD_BUCKETS = 8
 
 
 def _settle_chosen(searched: list, avail: Availability, run: RunShape, gpu_budget: int, cpu_budget: int,

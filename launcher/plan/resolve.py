@@ -105,7 +105,7 @@ def resolve(cfg: Config, hw: Hardware, world: int = 1, local_rank: int = 0, mach
     user = avail.user
     if user is not None or cfg.profile != AUTO:
         chosen = user.profile if user is not None else PROFILES[cfg.profile]
-        problem = avail.problems.get(chosen.name)
+        problem = avail.problems.get(chosen.name) or availability.rank_problem(chosen, world)
         if problem:
             alt = avail.widened(replace(cfg, profile=AUTO, engine=AUTO), chosen.precision).usable()
             fix = f"profile={alt[0].name}" if alt else "profile=auto"
@@ -131,7 +131,7 @@ def resolve(cfg: Config, hw: Hardware, world: int = 1, local_rank: int = 0, mach
             reasons.append(f"warning: the plan puts {chosen.name} over the GPU budget ({row.why_not}); the OOM ladder "
                            "will step in if it runs out")
     else:
-        order = avail.usable()
+        order = [p for p in avail.usable() if not availability.rank_problem(p, world)]
         if not order:
             raise availability.engine_error(cfg, avail)
         plan = planner.plan(cfg, hw, [p.name for p in order], world=world, machine=machine, avail=avail)
@@ -146,7 +146,7 @@ def resolve(cfg: Config, hw: Hardware, world: int = 1, local_rank: int = 0, mach
             reasons.append(why_engine)
     if plan is not None and plan.machine is None and user is None:
         reasons.append("step times not priced: this machine has no calibration, so the catalogue's speed ranks chose ("
-                       + ("torch's AMP first on a CPU" if avail.device.type == "cpu" else "DeepSpeed first on a tie")
+                       + "torch's AMP first on a tie"
                        + "); `vramfit doctor --calibrate` measures it (about a minute, once)")
     if plan is not None and plan.activations_counted:
         reasons.append(f"warning: the plan is an estimate: {plan.activations_counted}; activations counted from the "
@@ -168,7 +168,8 @@ def resolve(cfg: Config, hw: Hardware, world: int = 1, local_rank: int = 0, mach
         user, ladder = user.with_batch_auto(), ()  # a custom profile never moves to a catalogue one
     else:
         # The OOM ladder may move to any profile of this precision and engine that can run, offload included.
-        ladder = avail.widened(replace(cfg, profile=AUTO), chosen.precision).usable(allow_offload=True)
+        ladder = tuple(p for p in avail.widened(replace(cfg, profile=AUTO), chosen.precision).usable(allow_offload=True)
+                       if not availability.rank_problem(p, world))
     row = plan.get(chosen.name) if plan is not None else None
     chosen = _with_buckets(chosen, row)
     if row is not None and row.micro_batch == micro:  # the setting the planner chose (auto checkpointing included)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from launcher.config.profiles import Profile
+from launcher.config.profiles import DS_DEFAULT_BUCKET, Profile
 from launcher.machine.speeds import Machine, Rates
 
 # ------------------------------------------------------------------------------------------------
@@ -44,6 +44,8 @@ def family(p: Profile) -> str:
         if p.zero_stage >= 3:
             return "zero3_offload" if p.offload_param else "zero3"
         return "zero2_offload" if p.offload_optimizer else "zero2"
+    if p.engine == "amp" and p.offload_optimizer:
+        return "amp_offload"
     return p.engine  # 'amp' | 'fsdp'
 
 
@@ -58,7 +60,7 @@ def optimizer_kind(p: Profile, device: str, optimizer: str = "adamw") -> str:
         return f"deepspeed_fused_adam@{device}"
     if p.engine == "deepspeed":  # torch's fused AdamW as DeepSpeed's client optimizer, on the offloaded partitions
         return "torch_fused_adamw@cpu" if p.offload_optimizer else f"torch_fused_adamw@{device}"
-    if p.engine == "fsdp":  # the CPU offload policy keeps shards, grads and moments on the CPU
+    if p.engine == "fsdp" or p.offload_optimizer:  # FSDP2's CPU offload policy; AMP's offloaded update: on the CPU
         return "torch_fused_adamw@cpu"
     return f"torch_fused_adamw@{device}"
 
@@ -89,6 +91,11 @@ def moving_parts(p: Profile, offload_activations: bool = False) -> tuple[int, in
     return offload, engine
 
 
+# ZeRO's gradient buckets: the ops each flush of a bucket costs besides its bytes (flatten, copy, event, the hook's
+# bookkeeping), priced at the machine's measured per-op cost; what makes a smaller bucket slower.
+BUCKET_OPS = 4
+
+
 # Which copies overlap compute, per engine (True: they run on a side stream while layers compute).
 OVERLAP = {
     # DeepSpeed ZeRO-2 with overlap_comm (our profiles set it): gradients are reduced and, with optimizer
@@ -101,6 +108,11 @@ OVERLAP = {
     # the current one computes, in forward and backward (deepspeed/runtime/zero/partitioned_param_coordinator.py);
     # gradients leave on the reduction stream (stage3.py, overlap_comm).
     "zero3_offload": {"grads": True, "weights": True},
+    # AMP with the optimizer offloaded (launcher/engines/offload_opt.py): each gradient is copied down on a side
+    # stream as backward completes it (post-accumulate-grad hooks), in the last micro-batch of a step; the updated
+    # weights go up on another side stream while the CPU updates the next parameter, so their copy hides behind the
+    # optimizer's time, not the compute's (priced as the larger of the two).
+    "amp_offload": {"grads": True, "weights": False},
     # FSDP2 prefetches the next unit's all-gather (the H2D copy of its CPU shard) during the current
     # unit's compute, forward and backward (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py,
     # implicit prefetching), and offloads reduced gradients with non_blocking copies.
@@ -221,6 +233,7 @@ def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int
     h2d = machine.h2d_bytes_per_s.get(link) or machine.host.memory_bytes_per_s
     d2h = machine.d2h_bytes_per_s.get(link) or machine.host.memory_bytes_per_s
     grads_down = weights_up_micro = weights_up_step = 0.0
+    tail_share = 0.0  # the share of grads_down that leaves after the backward (nothing left to overlap it)
     traffic_micro = traffic_step = 0.0  # bytes of the engine's own passes on the compute device
     host_traffic_step = 0.0
     if fam == "zero2":
@@ -230,6 +243,12 @@ def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int
         traffic_step = (cd + 4 + 4 + 8 + 4 + cd) * trainable
     elif fam == "zero2_offload":
         grads_down = cd * trainable
+        # with overlap_comm a bucket leaves for the CPU once it is full: the last one only after backward, so its
+        # share of the gradients is copied with nothing to hide behind; each bucket costs a few ops of its own
+        # (the flatten into the bucket, the copy, the event, the hook's bookkeeping)
+        bucket = p.reduce_bucket_size or min(DS_DEFAULT_BUCKET, trainable)
+        tail_share = min(1.0, bucket / max(1, trainable))
+        micro_fixed += BUCKET_OPS * machine.compute.op_s * -(-trainable // max(1, bucket))
         traffic_micro = 2 * cd * trainable
         host_traffic_step = (4 + 8) * trainable  # norm and clip of the fp32 gradients on the CPU
         weights_up_step = cd * trainable
@@ -245,6 +264,14 @@ def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int
         else:  # the CPU mesh: nothing to copy, the casts remain
             traffic_micro = 2 * (4 + cd) * full + (cd + 4) * trainable
         host_traffic_step = (4 + 8) * trainable
+    elif fam == "amp_offload":
+        grads_down = cd * trainable / accumulation  # once per step: spread here over the micro-batches
+        traffic_micro = (cd + 4) * trainable / accumulation  # each gradient's norm, in fp32, as it leaves
+        if accumulation > 1:
+            traffic_micro += 3 * cd * trainable * (accumulation - 1) / accumulation  # grad += (after the first)
+        # on the CPU: widen into the fp32 gradient, the clip/unscale factor, narrow the master back to 16 bits
+        host_traffic_step = (cd + 4 + 8 + 4 + cd) * trainable
+        weights_up_step = cd * trainable
     elif fam == "amp":
         traffic_step = (4 + 8) * trainable  # clip_grad_norm_: the norm, then the scale
         if accumulation > 1:
@@ -264,7 +291,7 @@ def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int
         micro = max(fb, t_weights_micro + t_grads)
         exposed_copies = max(0.0, micro - fb)
     elif on_gpu and overlap.get("grads"):
-        micro = max(fb, t_grads) + t_weights_micro
+        micro = max(fb, t_grads * (1 - tail_share)) + t_grads * tail_share + t_weights_micro
         exposed_copies = micro - fb
     else:
         micro = fb + t_grads + t_weights_micro
@@ -293,6 +320,8 @@ def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int
         notes.append(f"no measured speed for {kind}: {stand_in} stands in")
     opt = trainable * per_param + n_tensors * per_tensor
     t_weights_step = weights_up_step / h2d
+    if fam == "amp_offload" and on_gpu:  # the upload of one parameter runs beside the update of the next
+        t_weights_step = max(0.0, t_weights_step - opt)
     t_disk_micro = t_disk_step = 0.0
     if disk and getattr(p, "nvme", False):
         wr = disk.get("write_bytes_per_s") or machine.disk_write_bytes_per_s or 1e9

@@ -108,6 +108,8 @@ def pinned_total(p: Profile, run: RunShape, st: dict, accumulation: int) -> int:
     """Every byte page-locked with ``pin_memory`` on: the pinned allocator's blocks as it holds them, and FSDP2's CPU
     shards, pinned where they lie (what ``ulimit -l`` must allow)."""
     shards = _sum(st["cpu"], "weights") if p.engine == "fsdp" else 0
+    if p.engine == "amp" and p.offload_optimizer:  # its one transfer block, registered where it lies (exact bytes)
+        shards = _sum(st["cpu"], "buffers")
     return held(pinned_blocks(p, run, accumulation)) + shards
 
 
@@ -151,6 +153,9 @@ def host_phases(p: Profile, run: RunShape, st: dict, train: dict, *, runtime: in
     setup: dict[str, int] = {}
     if p.engine == "fsdp":  # the shards; gradients and Adam's moments come with the first step
         setup["weights"] = _sum(cpu, "weights")
+    elif p.offload_optimizer and p.engine == "amp":  # the fp32 masters as made, their gradients, the transfer block
+        for part in ("master_weights", "gradients", "buffers"):
+            setup[part] = _sum(cpu, part)
     elif p.is_deepspeed and p.offloads:  # the partitions and DeepSpeed's buffers, before Adam's moments exist
         for part in ("weights", "master_weights", "gradients", "buffers"):
             setup[part] = _sum(cpu, part)

@@ -146,7 +146,23 @@ def model_states(p: Profile, run: RunShape, accumulation: int) -> dict:
             return (base - c.linear_weights) * dtype_bytes + c.linear_weights * QUANT_BYTES_PER_PARAM[run.quantize]
         return base * dtype_bytes
 
-    if p.engine == "amp":
+    if p.engine == "amp" and p.offload_optimizer:
+        # launcher/engines/offload_opt.py: the model in the compute dtype on the GPU (a LoRA base as it is, the
+        # adapters in 16 bits); each gradient leaves in the last micro-batch's backward as it is complete, so the GPU
+        # holds the gradients of the earlier micro-batches in 16 bits while accumulating, else about two in flight
+        # (one copying down, one being made) and the fp32 temporary of one gradient's norm.
+        w = frozen_bytes(cd) + cd * c.adapters if lora else cd * base
+        for d in (fb, step):
+            add_part(d, "weights", w)
+        add_part(fb, "gradients", cd * trainable if accumulation > 1 else 2 * cd * largest_trainable)
+        add_part(fb, "buffers", 4 * largest_trainable)
+        # the CPU: fp32 masters, their fp32 gradients, AdamW's moments, one flat 16-bit block the gradients come
+        # down to and the updated weights go up from (page-locked where it lies when the run pins)
+        add_part(cpu, "master_weights", 4 * trainable)
+        add_part(cpu, "gradients", 4 * trainable)
+        add_part(cpu, "optimizer_states", opt * trainable)
+        add_part(cpu, "buffers", cd * trainable)
+    elif p.engine == "amp":
         wb = weight_dtype(p.engine, p.precision, lora).itemsize
         w = frozen_bytes(wb) + 4 * c.adapters if lora else wb * base
         for d in (fb, step):
