@@ -77,7 +77,7 @@ EXAMPLES = {
     )),
     "steptime-advice": Example("docs/steptime.md", (Command(
         "vramfit plan --gpu RTX3090 model.name=examples/configs/qwen2.5-14b lora.r=16 data.seq_len=2048 "
-        "memory.cpu_budget=32 train.micro_batch_size=8", streams="stdout"),)),
+        "memory.cpu_budget=24 train.micro_batch_size=8", streams="stdout"),)),
     "steptime-ties": Example("docs/steptime.md", (
         Command("vramfit plan --gpu RTX3090 model.name=examples/configs/mistral-7b-v0.1 lora.r=16 data.seq_len=2048 "
                 "memory.cpu_budget=32 train.micro_batch_size=8", streams="stdout"),
