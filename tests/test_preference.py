@@ -139,6 +139,11 @@ def test_adapter_off_reference_equals_a_frozen_copy_of_the_base():
 
 
 # ---------------------------------------------------------------------------------------------------- training
+def test_a_preference_eval_reports_its_loss_and_no_perplexity(tmp_path):
+    summary, _ = run_inprocess(tmp_path, *PREF, "run_name=ev", "train.max_steps=2", "data.eval_fraction=0.1")
+    assert summary["eval_loss"] is not None and summary["eval_perplexity"] is None  # exp of a DPO loss means nothing
+
+
 def test_lora_dpo_learns_the_synthetic_preferences(tmp_path):
     """LoRA DPO on the built-in pairs: loss from ln 2 down, preference accuracy and margin up; accuracy >= 0.9
     at the end (16 steps of 16 pairs, a few seconds on 2 CPU cores)."""

@@ -583,10 +583,12 @@ def run_eval(run: Run) -> bool:
         st.best_eval_loss, st.evals_since_best = ev, 0
     else:
         st.evals_since_best += 1
-    logger.info(f"eval loss {ev:.4f}, perplexity {perplexity(ev):.4g} at step {st.step}"
+    ppl = perplexity(ev) if cfg.task == "causal_lm" else None  # a preference loss is no language model's
+    logger.info(f"eval loss {ev:.4f}" + (f", perplexity {ppl:.4g}" if ppl is not None else "") + f" at step {st.step}"
                 + (" (best so far)" if improved else f" (best {st.best_eval_loss:.4f}; {st.evals_since_best} "
                                                      "without improvement)"))
-    run.trackers.log({"eval_loss": ev, "eval_perplexity": perplexity(ev), "eval_best_loss": st.best_eval_loss}, st.step)
+    run.trackers.log({"eval_loss": ev, **({"eval_perplexity": ppl} if ppl is not None else {}),
+                      "eval_best_loss": st.best_eval_loss}, st.step)
     if improved and cfg.checkpoint.keep_best and cfg.checkpoint.save:
         previous, st.best_checkpoint = st.best_checkpoint, ckpt.step_dir(run.rd.checkpoints, st.step)
         if not save_periodic(run):  # the checkpoint recorded itself as the best; it was not written
@@ -646,7 +648,8 @@ def _final_weights(run: Run) -> float | None:
         eval_loss = st.best_eval_loss if best else evaluate(run.engine, run.eval_data, run.spec.micro_batch,
                                                             run.ranks, cfg.eval.max_batches)
         if run.finished:
-            run.trackers.log({"eval_loss": eval_loss, "eval_perplexity": perplexity(eval_loss)}, st.step)
+            run.trackers.log({"eval_loss": eval_loss, **({"eval_perplexity": perplexity(eval_loss)}
+                                                         if cfg.task == "causal_lm" else {})}, st.step)
     run.trackers.close()
     if run.finished and cfg.checkpoint.save:
         def write_final(tmp: str) -> None:
@@ -673,7 +676,8 @@ def summary_of(run: Run, eval_loss: float | None) -> dict:
     return {
         "status": run.status, "engine": run.engine.name, "profile": spec.profile.name, "precision": spec.precision,
         "device": str(run.device), "steps": st.step, "first_loss": st.first_loss, "final_loss": run.loss,
-        "eval_loss": eval_loss, "eval_perplexity": perplexity(eval_loss) if eval_loss is not None else None,
+        "eval_loss": eval_loss,
+        "eval_perplexity": perplexity(eval_loss) if eval_loss is not None and run.cfg.task == "causal_lm" else None,
         "best_eval_loss": st.best_eval_loss, "best_checkpoint": st.best_checkpoint,
         "tokens_per_s": (sum(measured) / len(measured)) if measured else st.tokens_seen / elapsed,
         "tokens_in_loss_per_s": (sum(in_loss) / len(in_loss)) if in_loss else st.tokens_in_loss / elapsed,
