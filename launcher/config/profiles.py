@@ -36,7 +36,6 @@ class Profile:
     # A user's DeepSpeed JSON (launcher.config.user_ds_config) may fix its bucket sizes; None: from the hidden size.
     reduce_bucket_size: int | None = None
     prefetch_bucket_size: int | None = None
-    reuse_distance: int | None = None  # ZeRO-3's stage3_max_reuse_distance (elements); None: the catalogue's 0
     # DeepSpeed builds its own Adam from the config (a user's JSON with an "optimizer" section: FusedAdam or
     # DeepSpeedCPUAdam); False: torch's fused AdamW as DeepSpeed's client optimizer, as every catalogue profile
     ds_optimizer: bool = False
@@ -133,7 +132,7 @@ def ds_config_template(p: Profile) -> dict:
         zero["reduce_scatter"] = True
     if p.zero_stage == 3:
         zero.update({"stage3_prefetch_bucket_size": AUTO, "stage3_param_persistence_threshold": AUTO,
-                     "stage3_max_live_parameters": 1_000_000_000, "stage3_max_reuse_distance": AUTO,
+                     "stage3_max_live_parameters": 1_000_000_000, "stage3_max_reuse_distance": 1_000_000_000,
                      "stage3_gather_16bit_weights_on_model_save": True})
     if p.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": AUTO}
@@ -183,19 +182,11 @@ def bucket_sizes(hidden_size: int, world: int = 1, trainable: int | None = None)
     per step for a small model at hidden**2 (4096 elements at hidden 64). There the bucket holds all
     ``trainable`` gradients at once, up to DeepSpeed's default of 5e8 -- a buffer larger than every gradient
     would only cost memory (ZeRO-2 allocates two of them). The memory plan counts the buffers, and the
-    planner shrinks them when the run would not fit otherwise (:func:`launcher.plan.planner.plan`).
-
-    ZeRO-3's ``stage3_max_reuse_distance``: 0, every module's gathered parameters released after it runs, as
-    FSDP2 reshards after forward: the weights go up for the forward and again for the backward, which is what
-    the step-time model prices and the memory model holds (the module in use and the prefetch bucket).
-    DeepSpeed's default, 1e9, kept them gathered from forward to backward: one CPU rank of llama-1b LoRA held
-    3.9 GB against 3.2 planned; with 0, 3.1 GB (bench/results/2026-12-05-cpu-epyc/two-ranks-llama-1b-lora-zero3*).
-    A reuse distance of one decoder layer (44.6M elements) held as much as 1e9 did."""
+    planner shrinks them when the run would not fit otherwise (:func:`launcher.plan.planner.plan`)."""
     h2 = hidden_size * hidden_size
     big = max(h2, min(DS_DEFAULT_BUCKET, int(trainable))) if world == 1 and trainable else h2
     return {"reduce_bucket_size": big, "allgather_bucket_size": big,
-            "stage3_prefetch_bucket_size": int(0.9 * h2), "stage3_param_persistence_threshold": 10 * hidden_size,
-            "stage3_max_reuse_distance": 0}
+            "stage3_prefetch_bucket_size": int(0.9 * h2), "stage3_param_persistence_threshold": 10 * hidden_size}
 
 
 @dataclass(frozen=True)
@@ -229,8 +220,7 @@ AUTO_PATHS = frozenset(
      "fp16.enabled", "fp16.loss_scale", "bf16.enabled"]
     + [f"optimizer.params.{k}" for k in ("lr", "betas", "eps", "weight_decay")] + [f"fp16.{k}" for k, _ in _FP16_SCALING]
     + [f"zero_optimization.{k}" for k in ("reduce_bucket_size", "allgather_bucket_size",
-                                          "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
-                                          "stage3_max_reuse_distance")]
+                                          "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")]
     + [f"zero_optimization.{k}.pin_memory" for k in ("offload_optimizer", "offload_param")]
     + [f"zero_optimization.{k}.nvme_path" for k in ("offload_optimizer", "offload_param")]
     + ["zero_optimization.offload_param.buffer_size"])

@@ -392,13 +392,12 @@ def profile_of(raw: dict, precision: str) -> Profile:
         model = DeepSpeedZeroConfig(**{k: v for k, v in _drop_auto(zero).items() if k not in OFFLOADS})
     reduce = None if zero.get("reduce_bucket_size") == AUTO else int(model.reduce_bucket_size)
     prefetch = None if zero.get("stage3_prefetch_bucket_size") == AUTO else int(model.prefetch_bucket_size)
-    reuse = None if zero.get("stage3_max_reuse_distance") == AUTO else int(model.max_reuse_distance)
     name = f"custom-zero{stage}-{precision}" + ("-offload-all" if par else "-offload-opt" if opt else "")
     rank = 4 if par else 2 if opt else 1  # the catalogue's speed ranks of the same layouts
     return Profile(name, "deepspeed", precision, zero_stage=int(stage), offload_optimizer=opt, offload_param=par,
                    speed_rank=rank, gpu_holds="as the JSON's zero_optimization says",
                    cpu_holds="offloaded states" if opt or par else "nothing",
-                   reduce_bucket_size=reduce, prefetch_bucket_size=prefetch, reuse_distance=reuse,
+                   reduce_bucket_size=reduce, prefetch_bucket_size=prefetch,
                    ds_optimizer=isinstance(raw.get("optimizer"), dict))
 
 

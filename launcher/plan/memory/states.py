@@ -210,10 +210,7 @@ def model_states(p: Profile, run: RunShape, accumulation: int) -> dict:
         b = bucket_sizes(h)
         prefetch = p.prefetch_bucket_size if p.prefetch_bucket_size is not None else b["stage3_prefetch_bucket_size"]
         small = c.small_params
-        # + what stays gathered to be used again within stage3_max_reuse_distance elements: nothing in the
-        # catalogue (launcher.config.profiles.bucket_sizes), up to the whole model with DeepSpeed's default 1e9
-        reuse = min(p.reuse_distance or 0, base + (c.adapters if lora else 0))
-        live = (c.largest_module + prefetch + reuse) * cd + small * cd
+        live = (c.largest_module + prefetch) * cd + small * cd
         for d in (fb, step):
             add_part(d, "weights", live)
         add_part(fb, "gradients", min(c.largest_module, trainable) * cd)
