@@ -583,7 +583,7 @@ def run_eval(run: Run) -> bool:
         st.best_eval_loss, st.evals_since_best = ev, 0
     else:
         st.evals_since_best += 1
-    ppl = perplexity(ev) if cfg.task == "causal_lm" else None  # a preference loss is no language model's
+    ppl = perplexity(ev, cfg.task)
     logger.info(f"eval loss {ev:.4f}" + (f", perplexity {ppl:.4g}" if ppl is not None else "") + f" at step {st.step}"
                 + (" (best so far)" if improved else f" (best {st.best_eval_loss:.4f}; {st.evals_since_best} "
                                                      "without improvement)"))
@@ -648,8 +648,9 @@ def _final_weights(run: Run) -> float | None:
         eval_loss = st.best_eval_loss if best else evaluate(run.engine, run.eval_data, run.spec.micro_batch,
                                                             run.ranks, cfg.eval.max_batches)
         if run.finished:
-            run.trackers.log({"eval_loss": eval_loss, **({"eval_perplexity": perplexity(eval_loss)}
-                                                         if cfg.task == "causal_lm" else {})}, st.step)
+            ppl = perplexity(eval_loss, cfg.task)
+            run.trackers.log({"eval_loss": eval_loss, **({"eval_perplexity": ppl} if ppl is not None else {})},
+                             st.step)
     run.trackers.close()
     if run.finished and cfg.checkpoint.save:
         def write_final(tmp: str) -> None:
@@ -677,7 +678,7 @@ def summary_of(run: Run, eval_loss: float | None) -> dict:
         "status": run.status, "engine": run.engine.name, "profile": spec.profile.name, "precision": spec.precision,
         "device": str(run.device), "steps": st.step, "first_loss": st.first_loss, "final_loss": run.loss,
         "eval_loss": eval_loss,
-        "eval_perplexity": perplexity(eval_loss) if eval_loss is not None and run.cfg.task == "causal_lm" else None,
+        "eval_perplexity": perplexity(eval_loss, run.cfg.task),
         "best_eval_loss": st.best_eval_loss, "best_checkpoint": st.best_checkpoint,
         "tokens_per_s": (sum(measured) / len(measured)) if measured else st.tokens_seen / elapsed,
         "tokens_in_loss_per_s": (sum(in_loss) / len(in_loss)) if in_loss else st.tokens_in_loss / elapsed,
@@ -854,7 +855,11 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def perplexity(loss: float) -> float:
+def perplexity(loss: float | None, task: str) -> float | None:
+    """exp(loss) of a language model's eval loss; None without a loss or for a preference task (the exponential of
+    a DPO loss means nothing)."""
+    if loss is None or task != "causal_lm":
+        return None
     return math.exp(loss) if loss < 700 else float("inf")
 
 
