@@ -325,3 +325,20 @@ def test_bitsandbytes_options_refuse_deepspeed_and_auto_picks_amp():
     res = resolve(load_config(None, ["train.optimizer=adamw8bit", "device=cpu"]), hw)
     assert res.engine == "amp"
     assert hw.deepspeed is None or any("not DeepSpeed: train.optimizer=adamw8bit" in r for r in res.reasons)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [16, 1024, (1 << 22) + 48, (1 << 22) + 5])
+def test_normal_16bit_draws_torch_values(dtype, n):
+    """A preset's 16-bit weights drawn in fp32 blocks (the faster way) hold torch's own normal_ values for the same
+    seed, but for the last 16 of a size that is not a multiple of 16, and the requested spread."""
+    from launcher.model.materialize import normal_16bit
+
+    torch.manual_seed(3)
+    ref = torch.empty(n, dtype=dtype).normal_(0.0, 0.02)
+    torch.manual_seed(3)
+    got = normal_16bit(torch.empty(n, dtype=dtype), 0.0, 0.02)
+    body = n - (n % 16 and 16)
+    assert torch.equal(got[:body], ref[:body])
+    if n >= 1024:
+        assert abs(got.float().std().item() - 0.02) < 2e-3 and abs(got.float().mean().item()) < 2e-3
