@@ -93,6 +93,8 @@ def deepspeed_status() -> tuple[str | None, str | None]:
     if os.environ.get("VRAMFIT_DISABLE_DEEPSPEED"):
         hide_module("deepspeed")
         return None, "is disabled by VRAMFIT_DISABLE_DEEPSPEED"
+    if "deepspeed" in _IMPORT_FAILED and sys.modules.get("deepspeed", 0) is None:  # hidden by an earlier call
+        return None, _IMPORT_FAILED["deepspeed"]
     if importlib.util.find_spec("deepspeed") is None:
         return None, "is not installed (pip install 'vramfit[deepspeed]')"
     try:
@@ -101,9 +103,13 @@ def deepspeed_status() -> tuple[str | None, str | None]:
         return deepspeed.__version__, None
     except Exception as e:  # a broken install raises all sorts of things
         hide_module("deepspeed")
-        return None, (f"failed to import ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}), so it is "
-                      "treated as not installed; fix the install (e.g. a DeepSpeed built for this torch and CUDA) "
-                      "or pip uninstall deepspeed")
+        _IMPORT_FAILED["deepspeed"] = (
+            f"failed to import ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}), so it is treated as "
+            "not installed; fix the install (e.g. a DeepSpeed built for this torch and CUDA) or pip uninstall deepspeed")
+        return None, _IMPORT_FAILED["deepspeed"]
+
+
+_IMPORT_FAILED: dict[str, str] = {}  # why a module that failed to import was hidden, for every later caller to say
 
 
 def hide_module(name: str) -> None:
