@@ -201,10 +201,10 @@ def cmd_plan(args) -> int:
 def _plan(args) -> int:
     from launcher.config.schema import load_config
     from launcher.log import logger
-    from launcher.machine import diskspace, recheck, speeds
+    from launcher.machine import diskspace, speeds
     from launcher.machine.hardware import probe, with_nvme
     from launcher.measure import calibrate
-    from launcher.plan import advice, compare, gpus, planner, report
+    from launcher.plan import compare, decide, gpus, report
 
     path, overrides = _split_config(args.config)
     out = args.stdout
@@ -223,40 +223,40 @@ def _plan(args) -> int:
         raise ConfigError([f"--gpus: got {args.gpus!r} with --gpu; rule: one count per plan, several only with "
                            f"--compare-gpus; fix: --gpus {counts[-1]}"], "command line")
     network = args.network_gbps if args.network_gbps is not None else gpus.DEFAULT_NETWORK_GBPS
-    cfg = _settle_data_formats(load_config(path, overrides))
+    cfg = load_config(path, overrides)
     if several:
         compare.check_counts(cfg, counts, args.nodes)
     spec = gpus.find(args.gpu) if args.gpu else None  # a bad name fails before anything is measured
     prices = compare.parse_prices(args.price) if args.compare_gpus else {}
-    hw = with_nvme(probe(), cfg.memory.nvme_path)
     world = dist.current().world
     if args.compare_gpus:
-        host = recheck.checked(calibrate.load_or_calibrate())
-        if host.doubtful:  # the table has no header: the host's share of every row is priced with these speeds
-            logger.warning(f"DOUBTFUL calibration: {host.doubtful}; fix: `vramfit doctor --calibrate` when the machine "
-                           "is idle")
-        if host.busy_now:
-            logger.warning(f"BUSY NOW: {host.busy_now}")
-        rows = compare.compare(cfg, hw, host, prices, world=world,
+        # every card of the catalogue over this host: the host's share of every row is priced with its speeds
+        cfg, note = decide.settled(cfg, strict=False)
+        if note:
+            logger.info(note)
+        host, notes = decide.checked(calibrate.load_or_calibrate())
+        for line in notes:  # the table has no header to say them
+            logger.warning(line)
+        rows = compare.compare(cfg, with_nvme(probe(), cfg.memory.nvme_path), host, prices, world=world,
                                counts=counts if several else None, nodes=args.nodes, network_gbps=network)
         print(json.dumps({"gpus": [r.to_dict() for r in rows], "max_steps": cfg.train.max_steps}, indent=2)
               if args.json else compare.table(rows, cfg.train.max_steps), file=out)
         return 0 if any(r.fits for r in rows) else 2
-    host, nodes, links = None, 1, None
+    nodes, links = 1, None
     if spec is not None:  # plan for a card that is not here: its data sheet, this machine as its host
-        host = recheck.checked(calibrate.load_or_calibrate())
-        machine = gpus.machine(spec, host)
-        hw = gpus.hardware(spec, hw)
+        machine = calibrate.load_or_calibrate()
         if several:
             world, nodes, links = counts[0] * args.nodes, args.nodes, gpus.links(spec, network)
     else:  # this machine, priced when it has been calibrated (vramfit doctor --calibrate)
         machine, why = speeds.cached()
         if why:
             logger.warning(why)
-        machine = recheck.checked(machine)
-    plan = planner.plan(cfg, hw, world=world, machine=machine, nodes=nodes, links=links)
-    plan = advice.add_suggestions(plan, cfg, hw, world=world, machine=machine, card=spec, host=host,
-                                  when_fits=args.alternatives, nodes=nodes, links=links)
+    d = decide.decide(cfg, hw=probe(), machine=machine, world=world, card=spec, run=False,
+                      alternatives=args.alternatives, nodes=nodes, links=links, lenient_data=True)
+    for line in d.notes:  # a doubtful or busy machine is said in the table's header
+        if line.startswith("data not read"):
+            logger.info(line)
+    cfg, plan = d.cfg, d.plan
     row = plan.chosen_plan
     disk = (diskspace.room(cfg.output_dir, row.checkpoint_bytes, row.final_bytes, cfg.checkpoint.keep_last)
             if row is not None and cfg.checkpoint.save else None)
@@ -274,21 +274,6 @@ def cmd_tune(args) -> int:
                     warmup=args.warmup, timeout=args.timeout)
     print(tune.table(doc), file=args.stdout)
     return 0
-
-
-def _settle_data_formats(cfg):
-    """``format: auto`` of the data resolved from one record, so the plan knows whether instruction samples are
-    packed; data that cannot be read here (planning for another machine) is planned as text, with a notice."""
-    from launcher.config.schema import ConfigError
-    from launcher.data import settle_formats
-    from launcher.log import logger
-
-    try:
-        return settle_formats(cfg)
-    except ConfigError as e:
-        logger.info(f"data not read here ({e.problems[0]}); planned as text batches: set data.format to plan "
-                    "instruction batches")
-        return cfg
 
 
 def cmd_train(args) -> int:

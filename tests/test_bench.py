@@ -60,13 +60,13 @@ def test_find_compares_measured_rss_with_the_cpu_budget(monkeypatch, tmp_path):
     """--find on a CPU: a run over memory.cpu_budget does not fit, whatever the plan said."""
     rss = {1: 0.5, 2: 0.8, 4: 1.5, 8: 3.0}  # GiB per micro-batch
 
-    def fake_run(path, overrides, profile, name, out, steps, warmup, timeout, hw):
+    def fake_run(path, overrides, profile, name, out, steps, warmup, timeout, hw, machine=None):
         mb = int([o for o in overrides if o.startswith("train.micro_batch_size=")][-1].split("=")[1])
         assert not any(o.startswith("memory.cpu_budget") for o in overrides)  # measured, not passed on
         return {"profile": profile, "run": name, "status": "ok", "error": None, "tokens_per_s": 100.0 * mb,
                 "peak_cpu_rss_bytes": int(rss[mb] * bench.GiB)}
 
-    def fake_predict(path, overrides, profile, hw):
+    def fake_predict(path, overrides, profile, hw, machine=None):
         return {"planned_fits": True, "predicted_cpu_bytes": 1}  # the plan thinks everything fits
 
     monkeypatch.setattr(bench, "run_one", fake_run)

@@ -36,12 +36,12 @@ import time
 
 from launcher.config.profiles import PROFILES
 from launcher.config.schema import AUTO, Config, ConfigError, folder_problem, load_config
-from launcher.data import settle_formats
 from launcher.log import logger
+from launcher.machine import speeds
 from launcher.machine.files import write_atomic
 from launcher.machine.hardware import probe
 from launcher.model.presets import PRESETS
-from launcher.plan import availability, planner
+from launcher.plan import availability, decide
 from launcher.training.monitor import read_csv
 from launcher.training.plots import plot_bench
 from launcher.units import GiB
@@ -160,22 +160,25 @@ def classify_failure(returncode: int, stderr: str, timed_out: bool) -> tuple[str
     return "failed", f"exit {returncode}: {err.strip()[:300]}"
 
 
-def predict(path: str | None, overrides: list[str], profile: str, hw) -> dict:
-    """The planner's peaks for these settings and profile, and whether they fit the budgets."""
+def predict(path: str | None, overrides: list[str], profile: str, hw, machine=None) -> dict:
+    """The planner's peaks for these settings and profile, whether they fit the budgets, and (``machine``: this
+    machine's cached speeds) the step time it predicts."""
     try:
-        cfg = settle_formats(load_config(path, [*overrides, f"profile={profile}"]))  # packed batches planned as run
-        plan = planner.plan(cfg, hw, profiles=[profile])
+        # the decision a run makes (data formats, memory.nvme_path, the speeds rechecked)
+        plan = decide.decide(load_config(path, [*overrides, f"profile={profile}"]), hw=hw, machine=machine, run=False,
+                             profiles=[profile], advise=False).plan
         row = plan.get(profile)
         return {"predicted_gpu_bytes": row.gpu_bytes if row.gpu_bytes else None, "predicted_cpu_bytes": row.cpu_bytes,
                 "planned_fits": bool(row.fits), "planned_micro_batch": row.micro_batch,
-                "budget_gpu_bytes": plan.budget.get("gpu_bytes") or None, "budget_cpu_bytes": plan.budget.get("cpu_bytes")}
+                "budget_gpu_bytes": plan.budget.get("gpu_bytes") or None, "budget_cpu_bytes": plan.budget.get("cpu_bytes"),
+                **({"predicted_step_s": row.step_s} if getattr(row, "step_s", None) else {})}
     except Exception as e:  # a model the planner cannot measure: the run still happens
         return {"predicted_gpu_bytes": None, "predicted_cpu_bytes": None, "planned_fits": None,
                 "plan_error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
 
 
 def run_one(path: str | None, overrides: list[str], profile: str, name: str, out: str, steps: int, warmup: int,
-            timeout: float, hw) -> dict:
+            timeout: float, hw, machine=None) -> dict:
     """One training run in its own process; its row (status, timing, peaks, prediction)."""
     runs = os.path.join(out, "runs")
     total = warmup + steps
@@ -191,7 +194,7 @@ def run_one(path: str | None, overrides: list[str], profile: str, name: str, out
         env.pop(k, None)
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     row: dict = {"profile": profile, "run": name, "status": None, "error": None}
-    row.update(predict(path, overrides, profile, hw))
+    row.update(predict(path, overrides, profile, hw, machine))
     t = time.perf_counter()
     timed_out = False
     try:
@@ -284,7 +287,7 @@ def search(candidates: list, start: int, try_fit) -> tuple[int | None, list[int]
 
 
 def find_for_profile(kind: str, path, overrides, plan_overrides, profile, candidates, out, steps, warmup, timeout, hw,
-                     cpu_budget_bytes, on_row) -> dict:
+                     cpu_budget_bytes, on_row, machine=None) -> dict:
     """Run the search for one profile; the summary row with every candidate tried. ``plan_overrides`` are
     the user's (with memory.cpu_budget), ``overrides`` what the runs get."""
     def cand_overrides(c, base=overrides):
@@ -292,7 +295,7 @@ def find_for_profile(kind: str, path, overrides, plan_overrides, profile, candid
             return [*base, f"train.micro_batch_size={c}"]
         return [*base, f"model.name={c}"]
 
-    planned = [predict(path, cand_overrides(c, plan_overrides), profile, hw) for c in candidates]
+    planned = [predict(path, cand_overrides(c, plan_overrides), profile, hw, machine) for c in candidates]
     planned_ok = [i for i, p in enumerate(planned) if p.get("planned_fits")]
     planned_best = max(planned_ok) if planned_ok else None
     tried_rows: dict[int, dict] = {}
@@ -300,7 +303,7 @@ def find_for_profile(kind: str, path, overrides, plan_overrides, profile, candid
     def try_fit(i):
         c = candidates[i]
         tag = f"mb{c}" if kind == "micro-batch" else str(c)
-        row = run_one(path, cand_overrides(c), profile, f"{profile}-{tag}", out, steps, warmup, timeout, hw)
+        row = run_one(path, cand_overrides(c), profile, f"{profile}-{tag}", out, steps, warmup, timeout, hw, machine)
         row["candidate"] = c
         row["fits"] = fits(row, cpu_budget_bytes)
         if row["status"] == STATUS_OK and not row["fits"]:
@@ -495,6 +498,9 @@ def main(path: str | None, overrides: list[str], profiles: str | None = None, ou
     if problems:
         raise ConfigError(problems, "bench options")
     hw = probe()
+    machine, why = speeds.cached()  # priced as a training start prices its plan (never measured here)
+    if why:
+        logger.warning(why)
     base = child_overrides(overrides, OWN_KEYS)
     if profiles:
         names = profile_names(profiles)
@@ -536,12 +542,12 @@ def main(path: str | None, overrides: list[str], profiles: str | None = None, ou
                 write_outputs(dict(doc, partial=True, results=doc["results"] + [r]), out, with_png=False)
 
             row = find_for_profile(find, path, run_overrides, base, name, cands, out, steps, warmup, timeout, hw,
-                                   cpu_budget, on_row)
+                                   cpu_budget, on_row, machine)
             doc["results"].append(row)
             write_outputs(doc, out, with_png=False)
     else:
         for name in names:
-            row = run_one(path, base, name, name, out, steps, warmup, timeout, hw)
+            row = run_one(path, base, name, name, out, steps, warmup, timeout, hw, machine)
             doc["results"].append(row)
             progress_line(row)
             write_outputs(doc, out, with_png=False)

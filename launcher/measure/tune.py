@@ -17,12 +17,11 @@ from dataclasses import replace
 
 from launcher.config.profiles import PROFILES
 from launcher.config.schema import ConfigError, folder_problem, load_config, to_yaml
-from launcher.data import settle_formats
 from launcher.log import logger
 from launcher.machine import speeds
 from launcher.machine.hardware import probe
 from launcher.measure import bench, calibrate
-from launcher.plan import planner
+from launcher.plan import decide
 from launcher.plan.steptime import family
 
 
@@ -44,10 +43,11 @@ def tune(path: str | None, overrides: list[str], *, top: int = 3, out_yaml: str 
         problems += e.problems
     if problems:
         raise ConfigError(problems, "command line")
-    cfg = settle_formats(cfg)  # packed instruction batches are planned as they run
-    hw = probe()
-    machine = calibrate.load_or_calibrate()
-    plan = planner.plan(cfg, hw, machine=machine)
+    # the same decision as `vramfit plan` and `train`: data formats read, memory.nvme_path measured, speeds rechecked
+    d = decide.decide(cfg, hw=probe(), machine=calibrate.load_or_calibrate(), run=False)
+    for line in d.notes:
+        logger.warning(line)
+    cfg, hw, machine, plan = d.cfg, d.hw, d.machine, d.plan
     if plan.chosen is None:
         raise ConfigError([f"memory: nothing fits to tune; {plan.reason}; fix: `vramfit plan` shows what would"],
                           "memory plan")
@@ -58,7 +58,7 @@ def tune(path: str | None, overrides: list[str], *, top: int = 3, out_yaml: str 
     results = []
     for i, c in enumerate(cands):
         row = bench.run_one(path, [*overrides, *candidate_overrides(c)[1:]], c["profile"], f"tune-{i}", out_dir, steps,
-                            warmup, timeout, hw)
+                            warmup, timeout, hw, machine)
         row.update(setting=c["setting"], predicted_step_s=row.get("predicted_step_s") or c["step_s"],
                    candidate=c)
         results.append(row)

@@ -22,17 +22,17 @@ import torch
 from launcher import engines, log
 from launcher.config.profiles import PROFILES
 from launcher.config.schema import Config, ConfigError, to_dict, to_yaml, with_epochs
-from launcher.data import load_splits, settle_formats
+from launcher.data import load_splits
 from launcher.engines.base import StepResult, host_values
 from launcher.log import logger
-from launcher.machine import diskspace, dist, heap, recheck, speeds, threads
+from launcher.machine import diskspace, dist, heap, speeds, threads
 from launcher.machine.files import DiskFull, disk_full_message, is_disk_full, read_json
-from launcher.machine.hardware import Hardware, enforce_gpu_budget, probe, with_nvme
+from launcher.machine.hardware import Hardware, enforce_gpu_budget, probe
 from launcher.model import hfconfig, kernels, lora, preference
 from launcher.model.build import build_model, count_params, load_tokenizer, model_config
-from launcher.plan import report
+from launcher.plan import decide, report
 from launcher.plan.ladder import Move, Rung, next_move
-from launcher.plan.resolve import RunSpec, resolve
+from launcher.plan.resolve import RunSpec
 from launcher.training import checkpoint as ckpt
 from launcher.training import generate, plots, progress, rankladder
 from launcher.training.faults import Hooks, StopRequested, diagnose
@@ -149,10 +149,10 @@ def prepare(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.
     heap_done = heap.fix_mmap_threshold(heap.threshold_mib(cfg.memory.mmap_threshold_mib, ranks.world))
     logger.debug(f"heap: {heap_done}")
     dist.init(torch.device("cuda" if torch.cuda.is_available() and cfg.device != "cpu" else "cpu"))
-    hw = with_nvme(hw or probe(), cfg.memory.nvme_path)  # its free space and speed, for the plan
     th = _threads(cfg, ranks)
     asked = cfg  # what a checkpoint compares on resume: the settings as the user gave them
-    hf_config, cfg, spec, machine = _decide(cfg, hw, ranks)
+    hf_config, d = _decide(cfg, hw or probe(), ranks)
+    cfg, spec, machine, hw = d.cfg, d.spec, d.machine, d.hw  # hw: memory.nvme_path measured
     startup.lap("plan")
     share = _host_share(spec.plan)
     if ranks.world == 1 and cfg.memory.mmap_threshold_mib == "auto" and heap.threshold_mib("auto", 1, share) > 0:
@@ -243,30 +243,24 @@ def _host_share(plan) -> float | None:
     return plan.chosen_plan.cpu_bytes / plan.budget["cpu_bytes"]
 
 
-def _decide(cfg: Config, hw: Hardware, ranks: dist.Dist) -> tuple[object, Config, RunSpec, object]:
-    """(model config, settled config, RunSpec, this machine's cached speeds or None), before anything loads. The
-    plan uses the speeds when `vramfit doctor --calibrate` has run, to pick the fastest predicted setting that fits
-    (never measured here: a training start stays fast)."""
+def _decide(cfg: Config, hw: Hardware, ranks: dist.Dist) -> tuple[object, decide.Decision]:
+    """(model config, the run decided: :func:`launcher.plan.decide.decide`), before anything loads. The plan uses the
+    speeds when `vramfit doctor --calibrate` has run, to pick the fastest predicted setting that fits (never measured
+    here: a training start stays fast)."""
     hf_config = model_config(cfg)
     hfconfig.check_weights(cfg.model.name, hf_config, trust_remote_code=cfg.model.trust_remote_code)
     lora.check(cfg, hf_config)  # bitsandbytes present when needed; LoRA target names exist (on a meta model)
-    cfg = settle_formats(cfg)  # format auto -> what the records hold (one record read), so the plan knows the batches
     machine, why = speeds.cached()
     if why:
         logger.warning(why)
-    if ranks.world == 1:  # well under a second, where a calibration prices the plan (other ranks would be "busy")
-        machine = recheck.checked(machine)
-    if machine is not None and machine.doubtful:
-        logger.warning(f"the calibration that prices this plan is doubtful: {machine.doubtful}; its step times are a "
-                       "busy machine's; fix: `vramfit doctor --calibrate` when the machine is idle")
-    if machine is not None and machine.busy_now:
-        logger.warning(f"the machine is busy: {machine.busy_now}")
-    spec = resolve(cfg, hw, ranks.world, ranks.local_rank, machine=machine)
-    for r in spec.reasons:
+    d = decide.decide(cfg, hw=hw, machine=machine, world=ranks.world, local_rank=ranks.local_rank)
+    for line in d.notes:
+        logger.warning(line)
+    for r in d.spec.reasons:
         logger.info(r)
-    kernels.check(cfg, spec.device.type)  # model.liger where it cannot run
-    hfconfig.check_seq_len(hf_config, cfg.data.seq_len)  # resolve's planner checked it too: one rule for both
-    return hf_config, cfg, spec, machine
+    kernels.check(d.cfg, d.spec.device.type)  # model.liger where it cannot run
+    hfconfig.check_seq_len(hf_config, d.cfg.data.seq_len)  # resolve's planner checked it too: one rule for both
+    return hf_config, d
 
 
 def _check_disk(run: Run) -> None:
