@@ -23,9 +23,9 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from launcher.config.schema import load_config  # noqa: E402
+from launcher.machine.files import tree_bytes  # noqa: E402
 from launcher.measure.bench import cpu_model  # noqa: E402
 from launcher.training.loop import train  # noqa: E402
-from launcher.training.rundir import tree_bytes  # noqa: E402
 from launcher.units import MiB  # noqa: E402
 
 PROFILES = ["amp-fp32", "zero2-fp32", "fsdp-bf16-offload"]

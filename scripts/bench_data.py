@@ -1,6 +1,6 @@
 """Data at scale on the CPU: host RAM and start-up time against corpus size, and padding-free instruction batches.
 
-    python scripts/bench_data.py [--out DIR] [--work DIR] [--repeats N] [--only scale|packing]
+    python scripts/bench_data.py [--out DIR] [--work DIR] [--repeats N] [--only scale|packing] [--smoke]
 
 Everything is generated here, nothing is downloaded: the model and its BPE tokenizer come from
 scripts/make_tiny_model.py, the corpora are random words from the vocabulary of examples/data.
@@ -17,7 +17,8 @@ alternate (packed, padded, packed, ...) so a busy machine slows both alike; the 
 Target: packed >= 1.8x padded, losses within 1e-5 relative per step (fp32).
 
 Writes DIR/results.json, DIR/results.md and DIR/logs/ (each run's log); the machine's load average is
-recorded before and after every run.
+recorded before and after every run. --smoke: the packing part only, one pair of 6 steps at micro-batch 2 on 400
+records, in seconds (too short to measure against the targets).
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def text_corpus(work: str, name: str, tokens: int, vocab: list[str], tpw: float,
 
 
 def alpaca_corpus(work: str, vocab: list[str], n: int = 4000, seed: int = 2) -> str:
-    path = os.path.join(work, "alpaca-like.jsonl")
+    path = os.path.join(work, "alpaca-like.jsonl" if n == 4000 else f"alpaca-like-{n}.jsonl")
     if os.path.exists(path):
         return path
     rng = np.random.default_rng(seed)
@@ -219,11 +220,13 @@ def timed_rate(r: dict, warmup: int = 5) -> float:
     return (b["tokens_in_loss"] - a["tokens_in_loss"]) / (b["time_s"] - a["time_s"])
 
 
-def part_packing(work: str, logs: str, model: str, repeats: int) -> dict:
-    src = alpaca_corpus(work, words())
+def part_packing(work: str, logs: str, model: str, repeats: int, steps: int = 20, micro: int = 8,
+                 records: int = 4000) -> dict:
+    src = alpaca_corpus(work, words(), records)
     cache = os.path.join(work, "cache-alpaca")
     settings = [f"model.name={model}", f"data.source={src}", f"data.cache_dir={cache}", "data.seq_len=512",
-                "train.max_steps=20", "train.warmup_steps=3", "train.micro_batch_size=8", "train.global_batch_size=16"]
+                f"train.max_steps={steps}", "train.warmup_steps=3", f"train.micro_batch_size={micro}",
+                f"train.global_batch_size={2 * micro}"]
     pairs = []
     for rep in range(repeats):
         pair = {}
@@ -289,7 +292,8 @@ def markdown(res: dict) -> str:
         lines += ["## Padding-free instruction batches", "",
                   f"{p['records']} Alpaca-like records, mean {p['mean_record_tokens']:.0f} tokens (max "
                   f"{p['max_record_tokens']}), seq_len {p['seq_len']}; `{' '.join(p['settings'][3:])}`, AMP fp32 on "
-                  f"the CPU, {res.get('torch_threads', '?')} torch thread(s); tokens in the loss per second over steps 6-20.", "",
+                  f"the CPU, {res.get('torch_threads', '?')} torch thread(s); tokens in the loss per second over steps "
+                  f"6-{len(p['pairs'][0]['packed']['rows'])}.", "",
                   "| pair | packed | padded | ratio |", "| --- | --- | --- | --- |"]
         for i, pair in enumerate(p["pairs"]):
             a, b = pair["packed"]["timed_tokens_in_loss_per_s"], pair["padded"]["timed_tokens_in_loss_per_s"]
@@ -320,7 +324,10 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--only", choices=("scale", "packing"))
     ap.add_argument("--threads", type=int, default=THREADS, help="OMP_NUM_THREADS of the training processes")
+    ap.add_argument("--smoke", action="store_true", help="the packing part only, one pair of 6 short steps")
     a = ap.parse_args()
+    if a.smoke:
+        a.only, a.repeats = "packing", 0
     globals()["THREADS"] = a.threads
     os.makedirs(a.work, exist_ok=True)
     logs = os.path.join(a.out, "logs")
@@ -332,7 +339,7 @@ def main() -> int:
                torch_threads=a.threads)
     if a.only in (None, "packing"):
         print("packing:", flush=True)
-        res["packing"] = part_packing(a.work, logs, model, a.repeats + 1)
+        res["packing"] = part_packing(a.work, logs, model, a.repeats + 1, *((6, 2, 400) if a.smoke else ()))
     if a.only in (None, "scale"):
         print("scale:", flush=True)
         res["scale"] = part_scale(a.work, logs, model, a.repeats)

@@ -57,7 +57,7 @@ def main() -> int:
     if a.child is not None:
         print(json.dumps(child(a.child, a.reps)))
         return 0
-    from launcher.measure.calibrate import cpu_model
+    from launcher.measure.bench import cpu_model
 
     runs = []
     for _ in range(a.rounds):

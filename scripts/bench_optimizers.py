@@ -13,6 +13,8 @@ stepped in turns, so that a load change on a shared machine hits them alike; the
     python scripts/bench_optimizers.py                 # the table
     python scripts/bench_optimizers.py --json          # machine-readable
     python scripts/bench_optimizers.py --layers 8      # 103M parameters, closer to a real model
+    python scripts/bench_optimizers.py --hidden 64 --intermediate 192 --layers 1 --warmup 1 --steps 2 --no-compile
+                                                       # a quick check that every path still runs
 
 Optimizers: DeepSpeedCPUAdam (what ZeRO-Offload uses), DeepSpeed FusedAdam as built for a CPU-only
 host (what ZeRO without offload uses on the CPU accelerator), and torch.optim.AdamW with the
@@ -49,10 +51,12 @@ def make_params(shapes, seed: int = 0) -> list[torch.nn.Parameter]:
     return params
 
 
-def candidates(lr: float, betas, eps: float, weight_decay: float):
-    """(name, factory or None, why not) for every optimizer that can run here."""
+def candidates(lr: float, betas, eps: float, weight_decay: float, compile_ops: bool = True):
+    """(name, factory or None, why not) for every optimizer that can run here. ``compile_ops=False``: a DeepSpeed
+    optimizer whose op would be compiled first is left out (said in its why not) instead of built."""
     out = []
     kw = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    uncompiled = {}  # op name -> why it is not loaded
     try:  # the ninja vramfit's runs use, and a word before DeepSpeed compiles an op (minutes)
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         from launcher.machine.hardware import op_state, use_env_ninja
@@ -60,17 +64,23 @@ def candidates(lr: float, betas, eps: float, weight_decay: float):
         ninja = use_env_ninja()
         for name in ("cpu_adam", "fused_adam"):
             st = op_state(name, ninja)
-            if st.compiles:
+            if st.compiles and not compile_ops:
+                uncompiled[name] = f"not loaded (--no-compile): its op {name} is {st.state}"
+            elif st.compiles:
                 print(st.notice(), file=sys.stderr)
     except ImportError:
         pass
     try:
+        if "cpu_adam" in uncompiled:
+            raise RuntimeError(uncompiled["cpu_adam"])
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         out.append(("DeepSpeedCPUAdam", lambda ps: DeepSpeedCPUAdam(ps, adamw_mode=True, **kw), None))
     except Exception as e:  # not installed, or the op cannot be built here
         out.append(("DeepSpeedCPUAdam", None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
     try:
+        if "fused_adam" in uncompiled:
+            raise RuntimeError(uncompiled["fused_adam"])
         from deepspeed.accelerator import get_accelerator
         from deepspeed.ops.adam import FusedAdam
 
@@ -95,6 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    ap.add_argument("--no-compile", action="store_true",
+                    help="leave out a DeepSpeed optimizer whose op is not built yet (building it takes minutes)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -102,7 +114,7 @@ def main(argv=None) -> int:
     n = sum(torch.Size(s).numel() for s in shapes)
     rows, live = [], []
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout on import; keep --json clean
-        found = candidates(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+        found = candidates(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, compile_ops=not args.no_compile)
     for name, factory, why_not in found:
         if factory is None:
             rows.append({"optimizer": name, "available": False, "why_not": why_not})

@@ -28,7 +28,10 @@ import torch  # noqa: E402
 from launcher.config.schema import load_config  # noqa: E402
 from launcher.data.order import micro_batches  # noqa: E402
 from launcher.data.synthetic import synthetic_task  # noqa: E402
+from launcher.machine import speeds  # noqa: E402
+from launcher.machine.hardware import probe  # noqa: E402
 from launcher.model.build import make_model, model_config, param_groups  # noqa: E402
+from launcher.plan import decide  # noqa: E402
 
 WARMUP = 5
 
@@ -41,7 +44,10 @@ def bare_loop(cfg) -> float:
     opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
                             fused=True)
     data = synthetic_task(cfg.data.num_samples, cfg.data.seq_len, cfg.data.vocab_size, cfg.seed)
-    micro, accum = t.micro_batch_size, t.global_batch_size // t.micro_batch_size
+    # train.micro_batch_size may be "auto": take the micro-batch and accumulation a training run decides (the same
+    # front door, with this machine's cached calibration), so both loops do the same work per step
+    spec = decide.decide(cfg, hw=probe(), machine=speeds.cached()[0]).spec
+    micro, accum = spec.micro_batch, spec.accumulation
     params = [p for p in model.parameters() if p.requires_grad]
     for step in range(t.max_steps):
         if step == WARMUP:

@@ -1,14 +1,17 @@
 #!/usr/bin/env python
 """How long ``vramfit plan --compare-gpus`` takes, with the trace cache empty and then filled.
 
-    python scripts/bench_plan_time.py [--repeats 2] [--workers 0,2] [--out DIR] [-- key=value ...]
+    python scripts/bench_plan_time.py [--repeats 2] [--workers 0,2] [--quick-calibration] [--out DIR] [-- key=value ...]
 
 Default job: llama-7b, LoRA r=16, sequence 512, 32 GiB of host RAM, every GPU of the catalogue. Each run is
 its own process (``python -m launcher plan ... --compare-gpus``) with ``VRAMFIT_CACHE`` pointing at a fresh
 folder that holds this machine's calibration (copied, so nothing is measured again) and, for the warm runs,
 the traces the cold run kept. ``--workers``: the trace worker processes (``VRAMFIT_TRACE_WORKERS``) to compare,
 run in turns within each repeat (default: the plan's own choice). Prints the wall times, the number of traces
-kept and their size; writes OUT/plan_time.json and OUT/plan_time.md.
+kept and their size; writes OUT/plan_time.json and OUT/plan_time.md. ``--quick-calibration``: instead of this
+machine's cached calibration, a quick one (``launcher.measure.timing.Sizes.quick``: seconds, rough) measured first
+into a temporary folder, for a machine that has none (``--compare-gpus`` would otherwise measure one in the cold
+run, about a minute); with ``--repeats 1 -- model.name=tiny`` a quick check that the benchmark still runs.
 """
 
 from __future__ import annotations
@@ -70,11 +73,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=2, help="cold and warm runs each (cold: an empty trace cache)")
     ap.add_argument("--workers", default=None, help="comma-separated VRAMFIT_TRACE_WORKERS values to run in turns")
+    ap.add_argument("--quick-calibration", action="store_true",
+                    help="measure a quick, rough calibration first and plan with it instead of this machine's own")
     ap.add_argument("--out", default=None)
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     job = a.overrides or JOB
-    machines = glob.glob(os.path.join(cache_root(), "machine-*.json"))
+    quick = tempfile.TemporaryDirectory() if a.quick_calibration else None
+    if quick is not None:
+        from launcher.measure import calibrate, timing
+
+        calibrate.calibration(True, directory=quick.name, sizes=timing.Sizes.quick(), output_dir=quick.name)
+    machines = glob.glob(os.path.join(quick.name if quick else cache_root(), "machine-*.json"))
     if not machines:
         raise SystemExit("no calibration of this machine: run `vramfit doctor --calibrate` first")
     variants = a.workers.split(",") if a.workers else [None]
@@ -99,9 +109,13 @@ def main() -> int:
                 table = cold_table
     rows = {("default" if w is None else w): {**v, "cold_median_s": statistics.median(v["cold_s"]),
                                               "warm_median_s": statistics.median(v["warm_s"])} for w, v in got.items()}
-    result = {"job": job, "by_workers": rows, "traces_kept": traces, "trace_bytes": size, "traces_by_kind": kinds,
-              "cpus": os.cpu_count(), "load_average": list(os.getloadavg())}
+    if quick is not None:
+        quick.cleanup()
+    result = {"job": job, "quick_calibration": a.quick_calibration, "by_workers": rows, "traces_kept": traces,
+              "trace_bytes": size, "traces_by_kind": kinds, "cpus": os.cpu_count(),
+              "load_average": list(os.getloadavg())}
     md = (f"`vramfit plan {' '.join(job)} --compare-gpus`, {os.cpu_count()} CPUs, each run its own process"
+          + (", priced by a quick calibration (rough)" if a.quick_calibration else "")
           + (", the worker counts in turns" if a.workers else "") + "\n\n"
           "| trace workers | trace cache | wall s (each run) | median |\n| --- | --- | --- | --- |\n"
           + "".join(f"| {w} | empty | {', '.join(f'{x:.1f}' for x in v['cold_s'])} | {v['cold_median_s']:.1f} |\n"

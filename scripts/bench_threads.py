@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Step time with and without a busy neighbour process, per thread setting: what ``train.threads=auto`` decides.
 
-    python scripts/bench_threads.py [--steps 30] [--repeats 2] [--profiles amp-fp32,zero2-fp32] [--json OUT]
+    python scripts/bench_threads.py [--steps 30] [--repeats 2] [--profiles amp-fp32,zero2-fp32]
+                                    [--settings 1,2,2-passive,auto] [--json OUT]
 
 Each run is ``python -m launcher train`` of the built-in demo (tiny Llama, synthetic task) on the CPU, its
 step time the median of ``time_s`` differences over steps 3..N of metrics.jsonl. Settings: ``train.threads``
@@ -11,6 +12,8 @@ a busy loop (``while True: pass``), started before the run and killed after it, 
 places it, as on a shared VPS. Runs alternate, alone and beside the neighbour, setting by setting, so a load
 change on a shared machine hits all alike; the load average before each run is recorded. The figure that
 matters: a setting's step beside the neighbour over the best step alone (a fair share of 2 cores is 2x).
+``--settings``: only these of the settings (default all; e.g. ``--settings auto --profiles amp-fp32 --repeats 1
+--steps 3`` is a quick check that the benchmark still runs).
 """
 
 from __future__ import annotations
@@ -47,14 +50,21 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--profiles", default="amp-fp32,zero2-fp32")
+    ap.add_argument("--settings", default=",".join(label for label, _ in SETTINGS),
+                    help="comma-separated settings to run (default: all of them)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    known = dict(SETTINGS)
+    unknown = [s for s in a.settings.split(",") if s not in known]
+    if unknown:
+        ap.error(f"--settings: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
+    settings = [(s, known[s]) for s in a.settings.split(",")]
     results = []
     with tempfile.TemporaryDirectory() as out:
         n = 0
         for profile in a.profiles.split(","):
             for rep in range(a.repeats):
-                for label, env in SETTINGS:
+                for label, env in settings:
                     for busy in (False, True):
                         load = os.getloadavg()[0]
                         hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
@@ -74,8 +84,8 @@ def main() -> int:
     for profile in a.profiles.split(","):
         rows = [r for r in results if r["profile"] == profile]
         best_alone = min(statistics.median(r["step_s"] for r in rows if r["setting"] == s and not r["neighbour"])
-                         for s, _ in SETTINGS)
-        for s, _ in SETTINGS:
+                         for s, _ in settings)
+        for s, _ in settings:
             alone = statistics.median(r["step_s"] for r in rows if r["setting"] == s and not r["neighbour"])
             beside = statistics.median(r["step_s"] for r in rows if r["setting"] == s and r["neighbour"])
             table.append({"profile": profile, "setting": s, "alone_ms": alone * 1000, "neighbour_ms": beside * 1000,

@@ -2,6 +2,7 @@
 """vramfit against the HF Trainer + DeepSpeed at the same profile, model directory, data and measure.
 
     python scripts/bench_vs_trainer.py [--model tiny|20m] [--steps 40] [--repeats 3] [--json OUT]
+    python scripts/bench_vs_trainer.py --steps 3 --repeats 1 --seq-len 32 --no-same-ds --work DIR  # a quick check
 
 The model is a Qwen2 made from a config (random weights, never downloaded) and saved as a model directory
 with a byte-level BPE tokenizer trained here on the repository's own manuals (docs/*.md, README.md), which
@@ -19,7 +20,7 @@ change hits all alike, and the ratio is taken per round. Two Trainer variants:
   its "auto" values, the reduce bucket as hidden_size**2 (its rule; allgather_bucket_size, which it does not
   fill, is left to DeepSpeed's default);
 - ``trainer_same_ds``: the ds_config.json vramfit's run resolved and wrote (its bucket sizes included), so the
-  DeepSpeed settings are identical and only the loops differ.
+  DeepSpeed settings are identical and only the loops differ (``--no-same-ds``: not run, one process less a round).
 
 Both step with torch's fused AdamW (vramfit passes it to DeepSpeed; the Trainer builds its default
 ``adamw_torch_fused`` when the JSON has no optimizer section). The load average is printed with every run.
@@ -179,6 +180,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "vramfit-bench-vs-trainer"))
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--no-same-ds", action="store_true",
+                    help="leave out the Trainer run with vramfit's resolved ds_config.json (trainer_same_ds)")
     ap.add_argument("--trainer-worker", action="store_true", help=argparse.SUPPRESS)
     for k in ("--model-dir", "--text", "--out", "--ds-config"):
         ap.add_argument(k, help=argparse.SUPPRESS)
@@ -200,23 +203,27 @@ def main() -> int:
             load = os.getloadavg()[0]
             v = run_vramfit(model_dir, text, a.steps, a.seq_len, out, f"v{i}")
             t = run_trainer(model_dir, text, a.steps, a.seq_len, out, profile_json, v["threads"]["intra_op"])
-            same = run_trainer(model_dir, text, a.steps, a.seq_len, out, v["ds_config"], v["threads"]["intra_op"])
+            same = (None if a.no_same_ds else
+                    run_trainer(model_dir, text, a.steps, a.seq_len, out, v["ds_config"], v["threads"]["intra_op"]))
             r = {"load_average": load, "vramfit": v["tokens_per_s"], "trainer": t["tokens_per_s"],
-                 "trainer_same_ds": same["tokens_per_s"], "vs_trainer": v["tokens_per_s"] / t["tokens_per_s"],
-                 "vs_trainer_same_ds": v["tokens_per_s"] / same["tokens_per_s"],
+                 "trainer_same_ds": same and same["tokens_per_s"], "vs_trainer": v["tokens_per_s"] / t["tokens_per_s"],
+                 "vs_trainer_same_ds": same and v["tokens_per_s"] / same["tokens_per_s"],
                  "vramfit_optimizer": v["optimizer"], "trainer_optimizer": t["optimizer"],
                  "threads": v["threads"]["intra_op"], "vramfit_final_loss": v["final_loss"]}
             rounds.append(r)
+            same_text = ("" if same is None else f", Trainer with vramfit's ds_config {r['trainer_same_ds']:.0f} "
+                                                  f"({r['vs_trainer_same_ds']:.3f}x)")
             print(f"round {i + 1} (load {load:.2f}): vramfit {r['vramfit']:.0f} tok/s, Trainer {r['trainer']:.0f} "
-                  f"({r['vs_trainer']:.3f}x), Trainer with vramfit's ds_config {r['trainer_same_ds']:.0f} "
-                  f"({r['vs_trainer_same_ds']:.3f}x); threads {r['threads']}", flush=True)
-    med = {k: statistics.median(r[k] for r in rounds) for k in ("vs_trainer", "vs_trainer_same_ds")}
+                  f"({r['vs_trainer']:.3f}x){same_text}; threads {r['threads']}", flush=True)
+    med = {k: None if rounds[0][k] is None else statistics.median(r[k] for r in rounds)
+           for k in ("vs_trainer", "vs_trainer_same_ds")}
     result = {"model": a.model, "params": MODELS[a.model], "profile": PROFILE, "steps": a.steps,
               "seq_len": a.seq_len, "micro_batch": 2, "global_batch": 4, "rounds": rounds,
               "median_vs_trainer": med["vs_trainer"], "median_vs_trainer_same_ds": med["vs_trainer_same_ds"],
               "load_average_end": os.getloadavg()[0]}
-    print(f"\nmedian ratio vramfit / Trainer: {med['vs_trainer']:.3f} (target >= 1.05); with identical DeepSpeed "
-          f"settings: {med['vs_trainer_same_ds']:.3f}")
+    print(f"\nmedian ratio vramfit / Trainer: {med['vs_trainer']:.3f} (target >= 1.05)"
+          + ("" if med["vs_trainer_same_ds"] is None else
+             f"; with identical DeepSpeed settings: {med['vs_trainer_same_ds']:.3f}"))
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as fh:

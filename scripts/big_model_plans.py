@@ -3,6 +3,7 @@
 no weights) with LoRA and QLoRA on the cards people rent, through ``vramfit plan --gpu NAME --json``.
 
     python scripts/big_model_plans.py --out bench/results/DATE-MACHINE/big-plans    # writes plans.md and one JSON each
+    python scripts/big_model_plans.py --out /tmp/bp --models llama-3.1-8b --gpus T4 --methods lora   # one plan
 
 Every plan is priced with this machine's calibration as the host (``vramfit doctor --calibrate``) and the card's
 data sheet; ``memory.cpu_budget`` is the host RAM stated below, since the card's box is not this one.
@@ -21,6 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = ("qwen3-30b-a3b", "gpt-oss-20b", "gemma-3-12b", "qwen2.5-14b", "llama-3.1-8b")
 GPUS = ("RTX3090", "T4", "L4")
 METHODS = {"LoRA r16": ["lora.r=16"], "QLoRA r16": ["lora.r=16", "model.quantize=4bit"]}
+KEYS = tuple(name.split()[0].lower() for name in METHODS)  # --methods: lora, qlora (also the JSON files' suffix)
 COMMON = ["data.seq_len=2048", "train.global_batch_size=16", "memory.cpu_budget=64"]
 
 
@@ -53,14 +55,24 @@ def row(model: str, gpu: str, name: str, doc: dict | None, why: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
+    # subsets of the grid (default: all of it, 30 plans of seconds each); one plan is a check that the script runs
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated, of: " + ", ".join(MODELS))
+    ap.add_argument("--gpus", default=",".join(GPUS), help="comma-separated, of: " + ", ".join(GPUS))
+    ap.add_argument("--methods", default=",".join(KEYS), help="comma-separated, of: " + ", ".join(KEYS))
     a = ap.parse_args()
+    models, gpus, methods = a.models.split(","), a.gpus.split(","), a.methods.split(",")
+    for flag, got, known in (("--models", models, MODELS), ("--gpus", gpus, GPUS), ("--methods", methods, KEYS)):
+        if set(got) - set(known):
+            ap.error(f"{flag}: got {sorted(set(got) - set(known))}; rule: of {', '.join(known)}")
     os.makedirs(a.out, exist_ok=True)
     lines = [f"Common settings: `{' '.join(COMMON)}`.", "",
              "| model | card | method | chosen | GPU GiB | CPU GiB | tokens/s | why |",
              "| --- | --- | --- | --- | ---: | ---: | ---: | --- |"]
-    for model in MODELS:
-        for gpu in GPUS:
+    for model in (m for m in MODELS if m in models):
+        for gpu in (g for g in GPUS if g in gpus):
             for name, method in METHODS.items():
+                if name.split()[0].lower() not in methods:
+                    continue
                 doc, how, seconds = plan(model, gpu, method)
                 with open(os.path.join(a.out, f"{model}-{gpu}-{name.split()[0].lower()}.json"), "w") as f:
                     json.dump({"command": how, "seconds": round(seconds, 1), "plan": doc}, f, indent=1)

@@ -11,6 +11,10 @@ disk, measured by launcher.machine.hardware.probe_disk, and only order the choic
 chooses by speed rank. Writes results.json and table.md into the output folder.
 
     python scripts/capacity_table.py --out bench/results/2026-11-30-cpu-epyc/capacity
+    python scripts/capacity_table.py --out /tmp/cap --models llama-1b --modes LoRA --cards 16 --ram 32   # one row
+
+``--models``, ``--modes``, ``--cards`` (GB) and ``--ram`` (GB) plan a part of the grid (default: all of it, 162
+plans); one row is a check that the script still runs.
 """
 
 from __future__ import annotations
@@ -67,7 +71,22 @@ def cell(model: str, mode: str, card: str, ram: int, after: bool, disk: dict, ho
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated, of: " + ", ".join(MODELS))
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, of: " + ", ".join(MODES))
+    ap.add_argument("--cards", default=",".join(c.split()[0] for c in CARDS),
+                    help="comma-separated card sizes in GB, of: " + ", ".join(c.split()[0] for c in CARDS))
+    ap.add_argument("--ram", default=",".join(map(str, RAM)), help="comma-separated host RAM in GB, of: "
+                    + ", ".join(map(str, RAM)))
     args = ap.parse_args()
+    models, modes = args.models.split(","), args.modes.split(",")
+    cards, rams = [f"{c} GB" for c in args.cards.split(",")], args.ram.split(",")
+    for flag, got, known in (("--models", models, MODELS), ("--modes", modes, list(MODES)),
+                             ("--cards", cards, list(CARDS)), ("--ram", rams, [str(r) for r in RAM])):
+        if set(got) - set(known):
+            ap.error(f"{flag}: got {vars(args)[flag[2:]]!r}; rule: comma-separated, of "
+                     f"{', '.join(k.split()[0] for k in known)}")
+    models, modes = [m for m in MODELS if m in models], [m for m in MODES if m in modes]
+    cards, rams = [c for c in CARDS if c in cards], [r for r in RAM if str(r) in rams]
     os.makedirs(args.out, exist_ok=True)
     host = probe()
     folder = os.path.join(tempfile.gettempdir(), "vramfit-capacity-nvme")  # the config check wants it to exist
@@ -75,10 +94,10 @@ def main() -> None:
     disk = probe_disk(folder)
     t0 = time.perf_counter()
     rows = []
-    for model in MODELS:
-        for mode in MODES:
-            for card in CARDS:
-                for ram in RAM:
+    for model in models:
+        for mode in modes:
+            for card in cards:
+                for ram in rams:
                     for after in (False, True):
                         c = cell(model, mode, card, ram, after, disk, host)
                         rows.append({"model": model, "mode": mode, "card": card, "ram_gb": ram,
@@ -92,8 +111,8 @@ def main() -> None:
     with open(os.path.join(args.out, "results.json"), "w") as fh:
         json.dump(doc, fh, indent=1)
     with open(os.path.join(args.out, "table.md"), "w") as fh:
-        fh.write(table(rows))
-    print(table(rows))
+        fh.write(table(rows, models, modes, cards, rams))
+    print(table(rows, models, modes, cards, rams))
 
 
 def short(r: dict) -> str:
@@ -104,15 +123,15 @@ def short(r: dict) -> str:
     return p + (f" ({', '.join(tags)})" if tags else "")
 
 
-def table(rows: list[dict]) -> str:
-    head = "| model | mode | RAM | " + " | ".join(f"{c} before | {c} after" for c in CARDS) + " |"
-    lines = [head, "|" + " --- |" * (3 + 2 * len(CARDS))]
+def table(rows: list[dict], models=MODELS, modes=tuple(MODES), cards=tuple(CARDS), rams=RAM) -> str:
+    head = "| model | mode | RAM | " + " | ".join(f"{c} before | {c} after" for c in cards) + " |"
+    lines = [head, "|" + " --- |" * (3 + 2 * len(cards))]
     index = {(r["model"], r["mode"], r["card"], r["ram_gb"], r["levers"]): r for r in rows}
-    for model in MODELS:
-        for mode in MODES:
-            for ram in RAM:
+    for model in models:
+        for mode in modes:
+            for ram in rams:
                 cells = []
-                for card in CARDS:
+                for card in cards:
                     cells += [short(index[(model, mode, card, ram, "before")]),
                               short(index[(model, mode, card, ram, "after")])]
                 lines.append(f"| {model} | {mode} | {ram} GB | " + " | ".join(cells) + " |")

@@ -10,6 +10,7 @@ fastest measured.
 
     .venv/bin/python scripts/validate_steptime.py --out bench/results/DATE-cpu-epyc/steptime
     .venv/bin/python scripts/validate_steptime.py --quick --out /tmp/st     # 4 points, for a smoke check
+    python scripts/validate_steptime.py --points tiny-amp32-mb8 --steps 1 --warmup 1 --out /tmp/st  # one point
     python scripts/validate_steptime.py --gpu --out OUT/steptime            # the GPU grid (scripts/gpu_bench.sh)
     python scripts/validate_steptime.py --gpu --list                        # print the grid, run nothing
 
@@ -351,6 +352,9 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     ap.add_argument("--quick", action="store_true", help="four grid points (three with --gpu), no choice groups")
     ap.add_argument("--no-choices", action="store_true")
+    ap.add_argument("--points", default=None, metavar="NAME,...",
+                    help="only these grid points (names as --list prints them), no choice groups: a check that the "
+                         "script still runs, in seconds rather than the grid's minutes")
     ap.add_argument("--gpu", action="store_true",
                     help=f"the GPU grid instead: {len(GPU_GRID)} points, device=cuda, seq 512, on the card and with "
                          f"memory.gpu_budget={T4_GIB} and {RTX3090_GIB} (a T4's and an RTX 3090's usable GiB); no choice "
@@ -397,6 +401,13 @@ def main() -> int:
     else:
         points = [(*g, None) for g in GRID if not a.quick or g[0] in QUICK]  # no memory.gpu_budget
         device, grid_name = "cpu", "CPU"
+    if a.points:
+        wanted = a.points.split(",")
+        unknown = [w for w in wanted if w not in {p[0] for p in points}]
+        if unknown:
+            ap.error(f"--points: got {unknown}; rule: names of this grid's points; fix: one of "
+                     f"{', '.join(p[0] for p in points)} (--list shows them)")
+        points = [p for p in points if p[0] in wanted]
     no_cuda = None if hw.has_cuda else "no CUDA device here (torch sees none)"
     if a.list:  # like the runs, a bad --set fails here with the config's own message
         print(f"{grid_name} grid, {len(points)} points" + (f"; {no_cuda}, so --gpu would run nothing" if a.gpu and no_cuda else ""))
@@ -435,7 +446,7 @@ def main() -> int:
 
     grid = run_grid(points, a.out, a.steps, a.warmup, machine, hw, device=device, sets=a.sets, timeout=a.timeout,
                     save=save, passes=a.passes)
-    choices = ([] if a.gpu or a.quick or a.no_choices else
+    choices = ([] if a.gpu or a.quick or a.no_choices or a.points else
                run_choices(a.out, a.steps, a.warmup, machine, hw, sets=a.sets, timeout=a.timeout, passes=a.passes))
     doc["finished"] = True
     save(grid, choices)
