@@ -70,7 +70,8 @@ def test_shape_masks_what_changes_from_run_to_run():
 
 
 @pytest.mark.slow  # whole runs of the documented commands: in CI's slow set, which runs on every CI run
-@pytest.mark.parametrize("name", ["quickstart-demo", "planner-t4", "steptime-advice", "steptime-ties", "preference"])
+@pytest.mark.parametrize("name", ["quickstart-demo", "planner-t4", "steptime-advice", "steptime-ties",
+                                  pytest.param("preference", marks=pytest.mark.extended)])  # CI's time box
 def test_documented_output_has_todays_shape(name):
     check(name)
 

@@ -120,6 +120,7 @@ def test_an_oom_on_one_rank_steps_every_rank_down(tmp_path, profile, rank):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI's time box: the sharded engines' case below runs in CI
 def test_a_checkpoint_moves_between_one_and_two_ranks(tmp_path):
     """A 2-rank checkpoint resumes on 1 rank and a 1-rank one on 2, from the command line: the global batch is
     kept (accumulation recomputed), and both curves are the one of a run that stayed on 1 rank (within 1e-5)."""
