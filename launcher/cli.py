@@ -15,7 +15,8 @@ import os
 import sys
 
 from launcher import log
-from launcher.config.schema import Config, ConfigError, folder_problem
+from launcher.config.checks import folder_problem
+from launcher.config.schema import Config, ConfigError
 from launcher.machine import dist
 from launcher.machine.files import DiskFull
 
@@ -135,7 +136,7 @@ def cmd_doctor(args) -> int:
     hw = probe(with_cpu_adam=True)
     hw.threads = threads.current()
     if args.build_ops:
-        from launcher.machine.hardware import build_ops
+        from launcher.machine.deepspeed_ops import build_ops
 
         print(build_ops(), file=sys.stderr)
         hw = probe(with_cpu_adam=True)
@@ -199,7 +200,7 @@ def cmd_plan(args) -> int:
 
 
 def _plan(args) -> int:
-    from launcher.config.schema import load_config
+    from launcher.config.load import load_config
     from launcher.log import logger
     from launcher.machine import diskspace, speeds
     from launcher.machine.hardware import probe, with_nvme
@@ -277,7 +278,7 @@ def cmd_tune(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from launcher.config.schema import load_config
+    from launcher.config.load import load_config
     from launcher.training.faults import EXIT_FAILED, EXIT_INTERRUPTED
     from launcher.training.loop import train
 
@@ -468,7 +469,7 @@ def _planning_process() -> None:
     ``main`` starts the process (no ``argv`` given): code that calls ``main`` may go on to train in the same
     process."""
     if "peft" not in sys.modules and "bitsandbytes" not in sys.modules:
-        from launcher.machine.hardware import hide_module
+        from launcher.machine.deepspeed_ops import hide_module
 
         hide_module("bitsandbytes")
 

@@ -47,7 +47,7 @@ def _reset_hwm() -> None:
 def make(model: str, directory: str, shard: str) -> None:
     import torch
 
-    from launcher.config.schema import load_config
+    from launcher.config.load import load_config
     from launcher.model.build import make_model
     from launcher.model.materialize import Placement
 
@@ -60,7 +60,7 @@ def child(how: str, directory: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from launcher.config.schema import load_config
+    from launcher.config.load import load_config
     from launcher.model.build import make_model
     from launcher.model.materialize import Placement
 

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from launcher.config.schema import load_config  # noqa: E402
+from launcher.config.load import load_config  # noqa: E402
 from launcher.data.tokens import TokenData  # noqa: E402
 from launcher.machine import dist  # noqa: E402
 from launcher.training import loop as train

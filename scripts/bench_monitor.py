@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from launcher.config.schema import load_config  # noqa: E402
+from launcher.config.load import load_config  # noqa: E402
 from launcher.measure.bench import cpu_model, timing  # noqa: E402
 from launcher.training import monitor as monitor_mod  # noqa: E402
 

@@ -59,7 +59,7 @@ def candidates(lr: float, betas, eps: float, weight_decay: float, compile_ops: b
     uncompiled = {}  # op name -> why it is not loaded
     try:  # the ninja vramfit's runs use, and a word before DeepSpeed compiles an op (minutes)
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        from launcher.machine.hardware import op_state, use_env_ninja
+        from launcher.machine.deepspeed_ops import op_state, use_env_ninja
 
         ninja = use_env_ninja()
         for name in ("cpu_adam", "fused_adam"):

@@ -25,7 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from launcher.config.schema import load_config  # noqa: E402
+from launcher.config.load import load_config  # noqa: E402
 from launcher.measure.bench import cpu_model  # noqa: E402
 from launcher.training import tracking  # noqa: E402
 from launcher.training.loop import train  # noqa: E402

@@ -111,9 +111,9 @@ def trainer_worker(a) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
 
-    from launcher.config.schema import load_config
+    from launcher.config.load import load_config
     from launcher.data import load_data
-    from launcher.machine.hardware import use_env_ninja
+    from launcher.machine.deepspeed_ops import use_env_ninja
     from launcher.machine.threads import apply, decide
 
     use_env_ninja()  # the shared-memory comm op as vramfit's runs built it (another ninja would rebuild it)

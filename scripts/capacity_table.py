@@ -28,7 +28,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from launcher.config.schema import ConfigError, load_config  # noqa: E402
+from launcher.config.load import load_config  # noqa: E402
+from launcher.config.schema import ConfigError  # noqa: E402
 from launcher.machine.hardware import probe, probe_disk  # noqa: E402
 from launcher.plan import (
     gpus,  # noqa: E402

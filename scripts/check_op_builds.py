@@ -27,11 +27,11 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from launcher.engines.deepspeed import ops_loaded  # noqa: E402
-from launcher.machine import hardware  # noqa: E402
+from launcher.machine import deepspeed_ops  # noqa: E402
 
 
 def ninja_logs() -> dict[str, str]:
-    root = hardware.op_cache_dir()
+    root = deepspeed_ops.op_cache_dir()
     out = {}
     for op in ops_loaded({}, torch.device("cpu")):
         path = os.path.join(root, op, ".ninja_log")
@@ -79,7 +79,7 @@ def main() -> int:
     later = [r for r in rows[1:] if r["built"]]
     failed = [r for r in rows if r["rc"]]
     print(f"\n{len(rows)} runs; builds after the first run: {len(later)}; failed runs: {len(failed)}; "
-          f"ninja: {hardware.ninja_report()}")
+          f"ninja: {deepspeed_ops.ninja_report()}")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"runs": rows, "builds_after_first": len(later), "torch": torch.__version__}, fh, indent=2)

@@ -160,7 +160,7 @@ def cpu_markdown(res: dict) -> str:
 
 
 def run_gpu(args) -> dict:
-    from launcher.config.schema import load_config
+    from launcher.config.load import load_config
     from launcher.machine.hardware import probe
     from launcher.plan import planner
 

@@ -38,8 +38,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from launcher.config.load import load_config  # noqa: E402
 from launcher.config.profiles import PROFILES  # noqa: E402
-from launcher.config.schema import ConfigError, load_config  # noqa: E402
+from launcher.config.schema import ConfigError  # noqa: E402
 from launcher.machine import speeds
 from launcher.machine.hardware import probe  # noqa: E402
 from launcher.measure import bench, calibrate

@@ -41,7 +41,7 @@ def test_search_finds_the_largest_fitting_candidate_from_any_start():
 
 
 def test_candidates_and_failures():
-    from launcher.config.schema import load_config
+    from launcher.config.load import load_config
 
     assert bench.micro_batch_candidates(load_config(None, ["train.global_batch_size=24", "train.micro_batch_size=1"])) \
         == [1, 2, 4, 8]

@@ -17,7 +17,7 @@ from launcher.config.profiles import PROFILES
 from launcher.machine import speeds
 from launcher.machine.speeds import Machine, Rates
 from launcher.measure import calibrate, engine_costs, timing
-from launcher.plan import steptime
+from launcher.plan.families import family_of, optimizer_kind
 
 
 def fake_machine(name: str = "cpu: test (2 threads)") -> Machine:
@@ -223,11 +223,11 @@ def test_the_keys_are_the_step_time_models():
     measured for every kind a profile steps with."""
     for fam in timing.FAMILIES:
         for gpu_bf16 in (None, True, False):
-            assert steptime.family(engine_costs.profile_for(fam, gpu_bf16)) == fam
+            assert family_of(engine_costs.profile_for(fam, gpu_bf16)).name == fam
     for gpu, device in ((False, "cpu"), (True, "cuda")):
         keys = {k for k, *_ in calibrate.optimizer_factories(gpu)}
         for p in PROFILES.values():
-            assert steptime.optimizer_kind(p, device) in keys, (p.name, device)
+            assert optimizer_kind(p, device) in keys, (p.name, device)
 
 
 @pytest.fixture(scope="module")
@@ -285,7 +285,7 @@ def test_calibrated_numbers_are_positive_and_sane(doctor_json):
 def test_deepspeed_engine_and_optimizers(tmp_path):
     """One DeepSpeed offload family and DeepSpeed's optimizers: measured where DeepSpeed imports (the family) and
     where the op is built already (each optimizer), else skipped with a reason."""
-    from launcher.machine.hardware import cpu_adam_status
+    from launcher.machine.deepspeed_ops import cpu_adam_status
 
     s = timing.Sizes.quick()
     s = timing.Sizes(**{**s.__dict__, "families": ("amp", "zero2_offload"), "deepspeed": True})
@@ -322,7 +322,7 @@ def _busy(n: int) -> list:
 def test_a_calibration_made_beside_busy_processes_is_flagged_and_plans_from_it_say_so(tmp_path, monkeypatch):
     """A process burns a core while a quick calibration runs: it is cached flagged, doctor's report and the
     plan's table say so, and an explicit calibration (force) measured once more before keeping it."""
-    from launcher.config.schema import load_config
+    from launcher.config.load import load_config
     from launcher.machine.hardware import probe
     from launcher.plan import planner, report
 
@@ -425,11 +425,12 @@ SLOW, FAST = (0.045, 0.045), (1e-7, 1e-7)
 
 def _now() -> Machine:
     """A calibration whose samples are this machine's probes timed now."""
-    from launcher.machine import recheck
+    from launcher.machine import recheck, timer
 
     a = torch.randn(256, 256)
     x, y, z = (torch.rand(1024 * 1024 // 4) for _ in range(3))
-    return _calibrated(recheck._fastest(lambda: torch.mm(a, a)), recheck._fastest(lambda: torch.add(x, y, out=z)))
+    return _calibrated(min(timer.repeat(lambda: torch.mm(a, a), recheck.MIN_TIME_S)),
+                       min(timer.repeat(lambda: torch.add(x, y, out=z), recheck.MIN_TIME_S)))
 
 
 def test_the_recheck_rule():
@@ -447,7 +448,7 @@ def test_the_recheck_rule():
 def test_a_calibration_far_off_is_called_out_by_the_plan(monkeypatch, any_probe_size, times, verdict):
     """Probes timed now against a calibration that read them far slower (it was made on a busy machine: its step
     times are too slow) or far faster (the machine is busy now): the plan's table says which."""
-    from launcher.config.schema import load_config
+    from launcher.config.load import load_config
     from launcher.machine import recheck
     from launcher.machine.hardware import probe
     from launcher.plan import planner, report

@@ -4,7 +4,8 @@ import os
 import pytest
 
 from helpers import ROOT, run_cli
-from launcher.config.schema import Config, ConfigError, load_config
+from launcher.config.load import load_config
+from launcher.config.schema import Config, ConfigError
 
 
 def problems_of(*overrides, path=None):

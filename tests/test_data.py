@@ -7,7 +7,8 @@ import os
 import pytest
 
 from helpers.hf import make_model_dir, qa_records, write_jsonl
-from launcher.config.schema import ConfigError, load_config
+from launcher.config.load import load_config
+from launcher.config.schema import ConfigError
 from launcher.data import load_data
 from launcher.model.build import load_tokenizer
 

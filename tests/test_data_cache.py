@@ -12,7 +12,8 @@ import pytest
 
 from helpers import ROOT
 from helpers.hf import make_model_dir, qa_records, write_jsonl
-from launcher.config.schema import ConfigError, load_config
+from launcher.config.load import load_config
+from launcher.config.schema import ConfigError
 from launcher.data import load_data
 from launcher.model.build import load_tokenizer
 
@@ -126,7 +127,7 @@ def test_a_killed_build_is_never_used(model_dir, tmp_path):
             "import launcher.data.cache as c\n"
             "real = c.os.rename\n"
             "c.os.rename = lambda a, b: os._exit(9)  # killed just before the cache is renamed into place\n"
-            "from launcher.config.schema import load_config\nfrom launcher.model.build import load_tokenizer\n"
+            "from launcher.config.load import load_config\nfrom launcher.model.build import load_tokenizer\n"
             "from launcher.data import load_data\n"
             f"cfg = load_config(None, ['model.name={model_dir}', 'data.source={src}', 'data.seq_len=32', "
             f"'data.cache_dir={tmp_path / 'c'}'])\n"
@@ -180,7 +181,7 @@ def test_a_start_that_finds_its_cache_never_imports_datasets(model_dir, tmp_path
     src = str(tmp_path / "d.parquet")
     pd.DataFrame({"text": ["the cat sat on the mat ."] * 100}).to_parquet(src)
     code = (f"import sys; sys.path.insert(0, {ROOT!r})\n"
-            "from launcher.config.schema import load_config\nfrom launcher.model.build import load_tokenizer\n"
+            "from launcher.config.load import load_config\nfrom launcher.model.build import load_tokenizer\n"
             "from launcher.data import load_data, settle_formats\n"
             f"cfg = settle_formats(load_config(None, ['model.name={model_dir}', 'data.source={src}', "
             f"'data.seq_len=32', 'data.cache_dir={tmp_path / 'c'}']))\n"

@@ -11,7 +11,7 @@ import torch
 
 from helpers import compare, losses, needs_deepspeed, run_inprocess
 from helpers.hf import WORDS, make_model_dir, write_jsonl
-from launcher.config.schema import load_config
+from launcher.config.load import load_config
 from launcher.data import load_data
 from launcher.data.pack import deal, pack_blocks, plan_step, split_to
 from launcher.model.build import load_tokenizer

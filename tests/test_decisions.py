@@ -8,8 +8,10 @@ from dataclasses import replace
 import pytest
 import torch
 
+from launcher.config.checks import batch_problem
+from launcher.config.load import load_config, with_overrides
 from launcher.config.profiles import PROFILES
-from launcher.config.schema import AUTO, ConfigError, batch_problem, load_config, to_dict, with_overrides
+from launcher.config.schema import AUTO, ConfigError, to_dict
 from launcher.machine.hardware import GPUInfo, Hardware
 from launcher.plan import availability
 from launcher.plan import resolve as resolve_module

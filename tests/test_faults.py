@@ -106,7 +106,7 @@ def metrics(run_dir) -> list[dict]:
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     """A completed run (6 steps, checkpoints at 2, 4, 6, final/) that each test copies."""
-    from launcher.config.schema import load_config
+    from launcher.config.load import load_config
     from launcher.training.loop import train
 
     root = tmp_path_factory.mktemp("finished")

@@ -52,7 +52,7 @@ def small_disk(tmp_path):
 def sizes(tmp_path_factory):
     """Bytes of one AMP checkpoint and of final/ for the RUN settings (measured, so the tmpfs sizes follow
     torch's serialization wherever the test runs)."""
-    from launcher.config.schema import load_config
+    from launcher.config.load import load_config
     from launcher.training.loop import train
 
     root = tmp_path_factory.mktemp("sizes")
@@ -87,7 +87,7 @@ def fill(disk, leave: int) -> str:
 
 def train_here(disk, *args, hooks=None):
     """Train in this process (hooks fill the disk at a chosen step): the summary."""
-    from launcher.config.schema import load_config
+    from launcher.config.load import load_config
     from launcher.training.loop import train
 
     return train(load_config(None, [*RUN, f"output_dir={disk}", "run_name=r", *args]), hooks=hooks)
@@ -229,7 +229,7 @@ def test_lock_of_a_killed_process_is_taken_over(tmp_path):
 
 @pytest.fixture(scope="module")
 def ds_run(tmp_path_factory):
-    from launcher.config.schema import load_config
+    from launcher.config.load import load_config
     from launcher.training.loop import train
 
     root = tmp_path_factory.mktemp("ds")

@@ -310,7 +310,7 @@ def test_preset_int8_lora_and_token_id_sample(tmp_path):
 
 
 def test_bitsandbytes_options_refuse_deepspeed_and_auto_picks_amp():
-    from launcher.config.schema import load_config
+    from launcher.config.load import load_config
     from launcher.machine.hardware import probe
     from launcher.plan.resolve import resolve
 

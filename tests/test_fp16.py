@@ -95,7 +95,7 @@ def test_deepspeed_fp16_matches_amp_fp16(deepspeed_fp16_on_cpu, runs, profile):
 @pytest.mark.extended  # a fresh environment JIT-builds async_io first (tests/test_nvme.py)
 @pytest.mark.parametrize("profile", ["zero3-fp16-offload-nvme-opt", "zero3-fp16-offload-nvme-all"])
 def test_deepspeed_fp16_on_nvme(deepspeed_fp16_on_cpu, runs, tmp_path, profile):
-    from launcher.machine.hardware import async_io_status
+    from launcher.machine.deepspeed_ops import async_io_status
 
     if async_io_status() != "usable":
         pytest.skip(f"DeepSpeed's async_io op is {async_io_status()}: NVMe offload cannot run here")

@@ -235,7 +235,7 @@ def test_auto_picks_fsdp_when_deepspeed_missing_and_offload_needed():
     needs ~6 GiB in AMP: more than the 2 GiB budget. With DeepSpeed installed its optimizer offload is the
     fastest that fits; without it, FSDP offload, and the reasons say why (the planner's numbers and
     DeepSpeed's absence)."""
-    from launcher.config.schema import load_config
+    from launcher.config.load import load_config
     from launcher.machine.hardware import GPUInfo, probe
     from launcher.plan.resolve import resolve
     from launcher.units import GiB

@@ -540,7 +540,7 @@ def test_trace_workers_variable(capsys, monkeypatch, tmp_path):
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory, model_dir):
     """A finished 2-step LoRA run from the local tiny model: (output_dir, run_dir)."""
-    from launcher.config.schema import load_config
+    from launcher.config.load import load_config
     from launcher.training.loop import train
 
     out = tmp_path_factory.mktemp("lora-run")
@@ -724,7 +724,7 @@ def test_issue_42_seed_export_base_damaged(capsys, monkeypatch, tmp_path, model_
 
 
 def test_a_failed_start_is_taken_over_by_the_next(tmp_path):
-    from launcher.config.schema import load_config
+    from launcher.config.load import load_config
     from launcher.training.faults import Hooks
     from launcher.training.loop import train
     from launcher.training.rundir import failed_start

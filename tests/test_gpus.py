@@ -9,7 +9,8 @@ import pytest
 
 import launcher.machine.hardware
 from helpers import ROOT
-from launcher.config.schema import ConfigError, load_config
+from launcher.config.load import load_config
+from launcher.config.schema import ConfigError
 from launcher.machine.speeds import Machine, Rates
 from launcher.plan import gpus, planner
 from launcher.units import GiB

@@ -152,7 +152,7 @@ def without_extras(tmp_path) -> dict:
 def test_local_model_loads_in_bf16_with_fp32_adapters(tiny_model):
     """from_pretrained(dtype=...) gives the asked dtype (older transformers took torch_dtype= and ignore dtype=
     silently, loading fp32), and peft's autocast_adapter_dtype makes the adapters over the bf16 base fp32."""
-    from launcher.config.schema import load_config
+    from launcher.config.load import load_config
     from launcher.model.build import make_model
     from launcher.model.materialize import Placement
 

@@ -155,7 +155,8 @@ def test_a_tracker_whose_writes_fail_is_switched_off_and_the_run_goes_on(tmp_pat
 def test_report_to_a_tracker_that_is_not_installed_is_refused(monkeypatch):
     import importlib.util
 
-    from launcher.config.schema import ConfigError, load_config
+    from launcher.config.load import load_config
+    from launcher.config.schema import ConfigError
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "wandb" else real(n, *a))
@@ -178,10 +179,10 @@ def test_eval_covers_the_split_once_and_reports_perplexity(tmp_path):
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    import launcher.training.loop as train_mod
+    from launcher.training import evaluation
 
     seen = []
-    real = train_mod.evaluate
+    real = evaluation.evaluate
 
     def counting(engine, data, micro_batch, ranks, max_batches=0):
         calls = []
@@ -193,12 +194,12 @@ def test_eval_covers_the_split_once_and_reports_perplexity(tmp_path):
             engine.eval_loss = orig
             seen.append((len(data), calls))
 
-    train_mod.evaluate, saved = counting, real
+    evaluation.evaluate, saved = counting, real
     try:
         s, _ = run_inprocess(tmp_path, "run_name=ev", "engine=amp", "train.max_steps=4", "train.warmup_steps=1",
                              "data.eval_fraction=0.1", "train.eval_every=2", "eval.max_batches=0")
     finally:
-        train_mod.evaluate = saved
+        evaluation.evaluate = saved
     n, calls = seen[0]
     assert sum(calls) == n and len(calls) == -(-n // 2)  # micro-batch 2: every sample once, the last batch smaller
     assert s["eval_perplexity"] == pytest.approx(math.exp(s["eval_loss"]))
@@ -215,10 +216,10 @@ def test_keep_best_and_early_stopping_write_final_from_the_best(tmp_path, monkey
     import torch
     from safetensors.torch import load_file
 
-    import launcher.training.loop as train_mod
+    from launcher.training import evaluation
 
     script = iter([3.0, 2.0, 2.5, 2.6])
-    monkeypatch.setattr(train_mod, "evaluate", lambda *a, **k: next(script))
+    monkeypatch.setattr(evaluation, "evaluate", lambda *a, **k: next(script))
     s, rows = run_inprocess(tmp_path, "run_name=best", "engine=amp", "train.max_steps=20", "train.warmup_steps=1",
                             "data.eval_fraction=0.1", "train.eval_every=2", "train.early_stopping_patience=2",
                             "checkpoint.keep_best=true", "checkpoint.keep_last=1")
@@ -238,7 +239,8 @@ def test_keep_best_and_early_stopping_write_final_from_the_best(tmp_path, monkey
     (["train.epochs=2", "train.max_steps=10"], ["train.epochs", "one of them sets the run's length"]),
 ])
 def test_bad_evaluation_settings_are_refused(args, words):
-    from launcher.config.schema import ConfigError, load_config
+    from launcher.config.load import load_config
+    from launcher.config.schema import ConfigError
 
     with pytest.raises(ConfigError) as e:
         load_config(None, args)
@@ -259,7 +261,8 @@ def test_eval_split_that_leaves_too_little_training_data_is_refused(tmp_path):
 def test_epochs_set_the_steps_and_schedules_come_by_name(tmp_path):
     """train.epochs=0.25 over 256 samples of global batch 8 is 8 steps (auto warmup: 10% of them); a named
     schedule is transformers.get_scheduler's, and the lr the loop sets follows it."""
-    from launcher.config.schema import load_config, with_epochs
+    from launcher.config.load import load_config
+    from launcher.config.schema import with_epochs
     from launcher.training.schedule import lr_at
 
     cfg = with_epochs(load_config(None, ["train.epochs=0.25", "train.global_batch_size=8"]), 256)
@@ -278,7 +281,7 @@ def test_epochs_set_the_steps_and_schedules_come_by_name(tmp_path):
 def test_a_checkpoint_from_before_lora_experts_resumes_with_the_default():
     """lora.experts decides which weights train, so a checkpoint records it; one made before it was recorded was
     made with 'auto' and resumes under it, and under nothing else."""
-    from launcher.config.schema import load_config
+    from launcher.config.load import load_config
     from launcher.training import checkpoint as ckpt
 
     now = ckpt.fixed_settings(load_config(None, []))

@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from helpers import ROOT, needs_deepspeed, run_cli, run_inprocess
+from launcher.config.load import load_config
 from launcher.config.profiles import DS_DEFAULT_BUCKET, PROFILES, bucket_sizes, ds_config_template, resolve_ds_config
-from launcher.config.schema import ConfigError, load_config
+from launcher.config.schema import ConfigError
 from launcher.engines.base import host_values, skip_nonfinite
-from launcher.machine import hardware, threads
-from launcher.plan.steptime import optimizer_kind
+from launcher.machine import deepspeed_ops, hardware, threads
+from launcher.plan.families import optimizer_kind
 from launcher.training.faults import Hooks
 
 # ---- bucket sizes
@@ -159,26 +160,26 @@ def _fake_op(root, name):
     return d
 
 
-@pytest.mark.skipif(hardware.env_ninja() is None, reason="the ninja package is not installed")
+@pytest.mark.skipif(deepspeed_ops.env_ninja() is None, reason="the ninja package is not installed")
 def test_op_state_built_then_stale_then_missing(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    ninja = hardware.env_ninja()
+    ninja = deepspeed_ops.env_ninja()
     d = _fake_op(tmp_path, "fake_op")
-    assert hardware.op_state("fake_op", ninja).state == "not built"
+    assert deepspeed_ops.op_state("fake_op", ninja).state == "not built"
     subprocess.run([ninja], cwd=d, check=True, capture_output=True)
-    st = hardware.op_state("fake_op", ninja)
+    st = deepspeed_ops.op_state("fake_op", ninja)
     assert st.state == "built" and not st.compiles and st.last_build_s is not None
     (d / "build.ninja").write_text("rule cp\n  command = cp -p $in $out\nbuild fake_op.so: cp src.txt\n")
-    st = hardware.op_state("fake_op", ninja)
+    st = deepspeed_ops.op_state("fake_op", ninja)
     assert st.state == "stale" and "command line changed" in st.detail and st.compiles
     assert st.notice().startswith("building DeepSpeed op fake_op (its build is out of date")
-    assert hardware.op_state("fake_op", ninja).state == "stale"  # the dry run changed nothing
+    assert deepspeed_ops.op_state("fake_op", ninja).state == "stale"  # the dry run changed nothing
 
 
 def test_use_env_ninja_puts_this_environments_ninja_first(monkeypatch):
     monkeypatch.setenv("PATH", "/usr/bin" + os.pathsep + "/bin")
-    found = hardware.use_env_ninja()
-    mine = hardware.env_ninja()
+    found = deepspeed_ops.use_env_ninja()
+    mine = deepspeed_ops.env_ninja()
     if mine is None:
         assert found == shutil.which("ninja")
     else:
@@ -200,8 +201,8 @@ def test_remember_cpu_info_probes_the_cpu_once_and_hands_out_copies(monkeypatch)
     fake = types.ModuleType("cpuinfo")
     fake.get_cpu_info = probe
     monkeypatch.setitem(sys.modules, "cpuinfo", fake)
-    hardware.remember_cpu_info()
-    hardware.remember_cpu_info()  # a second call keeps the first wrapper
+    deepspeed_ops.remember_cpu_info()
+    deepspeed_ops.remember_cpu_info()  # a second call keeps the first wrapper
     first = fake.get_cpu_info()
     first["arch"] = "changed by a caller"
     first["flags"].append("avx512f")  # what is inside too
@@ -252,7 +253,7 @@ def test_op_entry_points_reuse_one_build(tmp_path):
                "--warmup", "1", "--out", str(tmp_path / "bench")]]
 
     def logs():
-        root = hardware.op_cache_dir()
+        root = deepspeed_ops.op_cache_dir()
         return {op: open(os.path.join(root, op, ".ninja_log")).read() if os.path.exists(
             os.path.join(root, op, ".ninja_log")) else "" for op in ops_loaded({}, torch.device("cpu"))}
 

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from helpers import FAST, compare, losses, needs_deepspeed, run_cli, run_inprocess
-from launcher.config.schema import ConfigError, load_config
+from launcher.config.load import load_config
+from launcher.config.schema import ConfigError
 from launcher.machine.hardware import GPUInfo, Hardware
 from launcher.model.loss import HeadNotPlain, causal_lm_loss, chunk_rows, head_problem
-from launcher.plan import planner
+from launcher.plan import planner, setting
 from launcher.plan.memory.trace import measure_step
 from launcher.plan.report import format_table
 from launcher.units import GiB
@@ -169,7 +170,7 @@ def test_llama3_8b_logits_drop_eightfold_with_chunking(tmp_path):
     assert "chunked loss" in chunked.setting
     # auto: on when the plain logits would take more than a tenth of the budget (a 24 GiB card here)
     auto = plan_of(d, "loss.chunked=auto", hw=fake_hw(gpu_gib=24)).get("amp-bf16")
-    assert before > planner.CHUNK_SHARE * 24 * GiB and auto.chunked_loss
+    assert before > setting.CHUNK_SHARE * 24 * GiB and auto.chunked_loss
     small = plan_of("tiny", "loss.chunked=auto", "data.seq_len=64").get("amp-bf16")
     assert not small.chunked_loss
 

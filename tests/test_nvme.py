@@ -9,8 +9,10 @@ import pytest
 
 from helpers import compare, losses, needs_deepspeed, run_cli, run_inprocess
 from launcher.config import profiles
-from launcher.config.schema import ConfigError, load_config
-from launcher.machine.hardware import GPUInfo, Hardware, async_io_status
+from launcher.config.load import load_config
+from launcher.config.schema import ConfigError
+from launcher.machine.deepspeed_ops import async_io_status
+from launcher.machine.hardware import GPUInfo, Hardware
 from launcher.plan import planner
 from launcher.units import GiB
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from test_planner import fake_hw
 from test_steptime import machine
 
-from launcher.config.schema import load_config
+from launcher.config.load import load_config
 from launcher.plan import planner
 from launcher.units import GiB
 
@@ -67,7 +67,7 @@ def test_zero_offload_buckets_sized_by_the_plan_not_the_model():
     from dataclasses import replace
 
     from launcher.config.profiles import PROFILES, resolve_ds_config
-    from launcher.plan.planner import OFFLOAD_BUCKETS
+    from launcher.plan.buckets import OFFLOAD_BUCKETS
 
     p = plan("memory.gpu_budget=40")
     n = p.model["params"]

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from launcher.config.schema import load_config
+from launcher.config.load import load_config
 from launcher.machine.hardware import GPUInfo, Hardware
 from launcher.model.targets import adapted as lora_target_names
 from launcher.plan import advice, planner, report

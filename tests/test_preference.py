@@ -16,7 +16,8 @@ import torch
 
 from helpers import THREADS, compare, losses, needs_deepspeed, run_cli, run_inprocess
 from helpers.hf import make_model_dir, write_jsonl
-from launcher.config.schema import ConfigError, load_config
+from launcher.config.load import load_config
+from launcher.config.schema import ConfigError
 from launcher.data.preference import synthetic_preferences
 from launcher.model import preference as P
 from launcher.training.faults import Hooks

@@ -33,7 +33,7 @@ def test_every_row_has_its_source_settings_and_error():
 def test_a_row_planned_again_gives_the_committed_number():
     """Memory needs no calibration: the row's overrides planned in-process for its card (the script runs the same
     through `vramfit plan --gpu`)."""
-    from launcher.config.schema import load_config
+    from launcher.config.load import load_config
     from launcher.machine.hardware import probe
     from launcher.plan import gpus, planner
 

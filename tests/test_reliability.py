@@ -65,7 +65,7 @@ def test_cli_sigterm_saves_and_exits_130(tmp_path):
 SLOW_SAVE_SCRIPT = """
 import sys, time
 sys.path.insert(0, {root!r})
-from launcher.config.schema import load_config
+from launcher.config.load import load_config
 from launcher.training.faults import Hooks
 from launcher.training.loop import train
 cfg = load_config(None, {overrides!r})
@@ -93,7 +93,7 @@ def test_second_signal_exits_at_once(tmp_path):
 KILL_SCRIPT = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-from launcher.config.schema import load_config
+from launcher.config.load import load_config
 from launcher.training.faults import Hooks
 from launcher.training.loop import train
 cfg = load_config(None, {overrides!r})

@@ -12,8 +12,9 @@ from test_gpus import fake_host
 from test_planner import fake_hw
 
 from helpers import run_cli
+from launcher.config.load import load_config
 from launcher.config.profiles import PROFILES
-from launcher.config.schema import ConfigError, load_config
+from launcher.config.schema import ConfigError
 from launcher.plan import compare, gpus, planner, steptime
 
 BASE = ["model.name=llama-125m", "data.seq_len=256", "train.global_batch_size=16", "memory.cpu_budget=64",

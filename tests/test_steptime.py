@@ -11,12 +11,14 @@ import pytest
 from test_planner import fake_hw
 
 from helpers import run_inprocess
+from launcher.config.load import load_config
 from launcher.config.profiles import PROFILES
-from launcher.config.schema import load_config
 from launcher.model.presets import preset_config
 from launcher.plan import planner, steptime
+from launcher.plan.families import family_of
 from launcher.plan.memory.estimate import estimate_activations
 from launcher.plan.memory.trace import TraceSettings
+from launcher.plan.rows import ProfilePlan, simplest_within_error
 
 
 def machine(device="cuda", op_s=2e-6, matmul=100e12, bw=1e12) -> steptime.Machine:
@@ -281,7 +283,7 @@ def test_the_model_error_table_is_the_committed_validation():
     doc = json.loads(open(os.path.join(ROOT, steptime.MODEL_ERROR_SOURCE)).read())
     by: dict = {}
     for point in doc["grid"]:
-        fam = steptime.family(PROFILES[point["profile"]])
+        fam = family_of(PROFILES[point["profile"]]).name
         by.setdefault(fam, []).append(abs(point["error_pct"]) / 100)
     assert {f: round(statistics.median(v), 3) for f, v in by.items()} == steptime.MODEL_ERROR
     assert steptime.model_error(PROFILES["zero3-bf16-offload-all"]) == max(steptime.MODEL_ERROR.values())
@@ -302,25 +304,25 @@ class _Avail:
 
 def _row(profile, step_s, offload_activations=False):
     p = PROFILES[profile]
-    return planner.ProfilePlan(profile=profile, engine=p.engine, precision=p.precision, device="cuda", gpu_bytes=1,
-                               cpu_bytes=1, fits=True, parts={}, speed_rank=p.speed_rank, micro_batch=1,
-                               accumulation=1, step_s=step_s, offload_activations=offload_activations)
+    return ProfilePlan(profile=profile, engine=p.engine, precision=p.precision, device="cuda", gpu_bytes=1,
+                       cpu_bytes=1, fits=True, parts={}, speed_rank=p.speed_rank, micro_batch=1,
+                       accumulation=1, step_s=step_s, offload_activations=offload_activations)
 
 
 def test_a_tie_inside_the_models_error_goes_to_the_simpler_setting():
     # the Mistral-on-a-3090 case: every weight over PCIe twice a step to win 2% on paper
     fitting = [_row("zero3-bf16-offload-all", 27.6), _row("zero2-bf16", 28.0), _row("zero2-bf16-offload-opt", 27.9)]
-    chosen, why = planner.simplest_within_error(fitting, _Avail())
+    chosen, why = simplest_within_error(fitting, _Avail())
     assert chosen.profile == "zero2-bf16"
     assert "zero3-bf16-offload-all is predicted 1.01x faster" in why and "within the model's measured error" in why
     # outside the error the fastest stays
     fitting = [_row("zero3-bf16-offload-all", 10.0), _row("zero2-bf16", 20.0)]
-    chosen, why = planner.simplest_within_error(fitting, _Avail())
+    chosen, why = simplest_within_error(fitting, _Avail())
     assert chosen.profile == "zero3-bf16-offload-all" and why is None
     # the fastest already the simplest: nothing to say
-    chosen, why = planner.simplest_within_error([_row("amp-bf16", 5.0), _row("zero2-bf16", 5.1)], _Avail())
+    chosen, why = simplest_within_error([_row("amp-bf16", 5.0), _row("zero2-bf16", 5.1)], _Avail())
     assert chosen.profile == "amp-bf16" and why is None
     # activation offload is offload too
     fitting = [_row("amp-bf16", 9.9, offload_activations=True), _row("amp-bf16", 10.2)]
-    chosen, _ = planner.simplest_within_error(fitting, _Avail())
+    chosen, _ = simplest_within_error(fitting, _Avail())
     assert not chosen.offload_activations

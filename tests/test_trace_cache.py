@@ -9,6 +9,7 @@ from transformers import LlamaConfig
 
 import launcher.plan.memory.estimate as E
 import launcher.plan.memory.trace as T
+from launcher.plan.memory import tracker
 
 CFG = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   num_hidden_layers=3, vocab_size=256)
@@ -29,8 +30,8 @@ VARIANTS = {
 def _trace(s: T.TraceSettings, cache: bool, monkeypatch) -> dict:
     with monkeypatch.context() as m:
         if not cache:
-            m.setattr(T, "_functional", lambda func: False)
-            m.setattr(T, "_FUNCTIONAL", {})
+            m.setattr(tracker, "_functional", lambda func: False)
+            m.setattr(tracker, "_FUNCTIONAL", {})
         d = T.trace_depth(CFG, 2, s).to_dict()
     d.pop("seconds")
     return d
@@ -39,11 +40,11 @@ def _trace(s: T.TraceSettings, cache: bool, monkeypatch) -> dict:
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_the_op_cache_changes_nothing(name, monkeypatch):
     s = dataclasses.replace(BASE, **VARIANTS[name])
-    monkeypatch.setattr(T, "_META_RESULTS", {})
-    monkeypatch.setattr(T, "_FUNCTIONAL", {})
+    monkeypatch.setattr(tracker, "_META_RESULTS", {})
+    monkeypatch.setattr(tracker, "_FUNCTIONAL", {})
     plain = _trace(s, False, monkeypatch)
     filling = _trace(s, True, monkeypatch)
-    assert T._META_RESULTS, "nothing was cached"
+    assert tracker._META_RESULTS, "nothing was cached"
     hit = _trace(s, True, monkeypatch)
     assert plain == filling == hit
 

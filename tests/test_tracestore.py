@@ -137,25 +137,25 @@ def test_a_kept_plan_builds_no_model(tmp_path, monkeypatch):
     """The parameter counts and the chunked-loss check are kept with the traces: in a later process, a plan whose
     traces are all kept builds no meta model (a second and more with the import of its modeling code), and gets
     the same numbers; a kept value that does not read back is made again."""
-    from launcher.plan import planner
+    from launcher.plan import runshape
     from launcher.plan.memory import shape
 
     def new_process(store):
         shape._COUNT_CACHE.clear()
-        planner._HEAD_PROBLEMS.clear()
+        runshape._HEAD_PROBLEMS.clear()
         shape.set_store(store)
 
     try:
         store = tracestore.TraceStore(str(tmp_path))
         new_process(store)
         counts = shape.count_params(CFG, 4, ("q_proj", "v_proj"))
-        problem = planner._head_problem(CFG, False)
+        problem = runshape._head_problem(CFG, False)
         assert store.writes == 2
         new_process(tracestore.TraceStore(str(tmp_path)))
         with monkeypatch.context() as m:
             m.setattr(shape, "build_meta_model", lambda *a, **k: pytest.fail("a meta model was built"))
             assert shape.count_params(CFG, 4, ("q_proj", "v_proj")) == counts
-            assert planner._head_problem(CFG, False) == problem
+            assert runshape._head_problem(CFG, False) == problem
         for path in tmp_path.iterdir():  # another layout (an older vramfit's, a damaged write): made again
             d = json.loads(gzip.decompress(path.read_bytes()))
             d["value"] = {"unknown": 1}

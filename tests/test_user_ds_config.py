@@ -16,8 +16,9 @@ import os
 import pytest
 
 from helpers import ROOT, compare, losses, needs_deepspeed, run_cli, run_inprocess
+from launcher.config.load import load_config
 from launcher.config.profiles import bucket_sizes, find_auto
-from launcher.config.schema import ConfigError, load_config
+from launcher.config.schema import ConfigError
 
 pytestmark = needs_deepspeed
 

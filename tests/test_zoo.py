@@ -67,7 +67,7 @@ def model_dir(tmp_path, family) -> str:
 
 
 def train_family(tmp_path, family, *overrides):
-    from launcher.config.schema import load_config
+    from launcher.config.load import load_config
     from launcher.training.loop import train
 
     cfg = load_config(None, [*FAST, "train.max_steps=3", "train.warmup_steps=1", f"train.threads={THREADS}",
@@ -90,7 +90,7 @@ def test_every_family_trains_on_amp(tmp_path, family):
 def test_lora_on_a_moe_adapts_its_experts_and_the_merged_model_reloads_and_generates(tmp_path, capfd):
     from transformers import AutoModelForCausalLM
 
-    from launcher.config.schema import load_config
+    from launcher.config.load import load_config
     from launcher.model.hfconfig import load
     from launcher.model.targets import with_experts
     from launcher.plan.memory.shape import count_params
@@ -142,7 +142,8 @@ def test_every_family_takes_lora_on_all_linear_layers_and_its_merged_export_relo
 
 
 def test_lora_experts_false_leaves_them_out_and_true_on_a_dense_model_is_refused(tmp_path):
-    from launcher.config.schema import ConfigError, load_config
+    from launcher.config.load import load_config
+    from launcher.config.schema import ConfigError
 
     s = train_family(tmp_path, "mixtral", "profile=amp-fp32", "lora.r=4", "lora.experts=false", "checkpoint.save=false")
     assert s["status"] == "completed"
@@ -173,17 +174,17 @@ def test_moe_with_lora_on_its_experts_trains_on_the_sharded_engines(tmp_path, fa
 def test_a_model_whose_trace_fails_is_planned_from_a_counted_estimate_and_trains(tmp_path, monkeypatch, capfd):
     """The planner degrades instead of blocking: a trace that raises (a model whose forward cannot run on meta)
     leaves weights and states exact, activations counted from the config, the table marked, and the run goes on."""
-    from launcher.config.schema import load_config
+    from launcher.config.load import load_config
     from launcher.machine.hardware import probe
-    from launcher.plan import planner, report
+    from launcher.plan import planner, report, run_activations
 
     def broken(*a, **k):
         raise RuntimeError("this forward cannot run on the meta device")
 
     path = model_dir(tmp_path, "qwen3_moe")
     traced = planner.plan(load_config(None, [f"model.name={path}", "data.seq_len=64", "lora.r=4"]), probe())
-    monkeypatch.setattr(planner, "estimate_activations", broken)
-    monkeypatch.setattr(planner, "compose_every", lambda *a, **k: None)
+    monkeypatch.setattr(run_activations, "estimate_activations", broken)
+    monkeypatch.setattr(run_activations, "compose_every", lambda *a, **k: None)
     cfg = load_config(None, [f"model.name={path}", "data.seq_len=64", "lora.r=4"])
     counted = planner.plan(cfg, probe())
     assert counted.chosen is not None and "this forward cannot run" in counted.activations_counted
@@ -233,7 +234,8 @@ def test_qlora_of_a_moe_quantizes_the_linear_layers_and_says_the_experts_stay_16
 
 
 def test_dropout_with_the_experts_adapted_is_refused_before_loading_by_plan_and_train(tmp_path):
-    from launcher.config.schema import ConfigError, load_config
+    from launcher.config.load import load_config
+    from launcher.config.schema import ConfigError
     from launcher.machine.hardware import probe
     from launcher.plan import planner
 

@@ -50,8 +50,9 @@ import typing
 from collections.abc import KeysView
 from dataclasses import dataclass
 
+from launcher.config.checks import read_deepspeed_json
 from launcher.config.profiles import AUTO_PATHS, Profile, RunValues, fill_auto, find_auto
-from launcher.config.schema import AUTO, Config, ConfigError, read_deepspeed_json
+from launcher.config.schema import AUTO, Config, ConfigError
 from launcher.machine import dist
 from launcher.precision import deepspeed_runs_fp16
 

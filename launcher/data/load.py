@@ -16,7 +16,8 @@ from dataclasses import replace
 import numpy as np
 import psutil
 
-from launcher.config.schema import Config, ConfigError, synthetic_vocab_problem
+from launcher.config.checks import synthetic_vocab_problem
+from launcher.config.schema import Config, ConfigError
 from launcher.data.cache import Settings, tokenized
 from launcher.data.files import locate
 from launcher.data.formats import DROP_REASONS, TOO_LONG, template_text

@@ -65,7 +65,7 @@ class Engine(Protocol):
     name: str  # 'amp' | 'deepspeed' | 'fsdp'
     optimizer_name: str  # e.g. 'torch.optim.AdamW(fused)', 'DeepSpeedCPUAdam'
     device: torch.device
-    resets_in_place: bool  # reset_micro_batch leaves the engine ready to go on (else the OOM ladder rebuilds it)
+    resets_in_place: bool  # apply_move goes on in place (else the OOM ladder rebuilds the engine)
 
     def forward_backward(self, batch: dict, accumulation: int) -> torch.Tensor:
         """Forward and backward one micro-batch; the loss is divided by ``accumulation``. Returns the
@@ -90,9 +90,6 @@ class Engine(Protocol):
 
     def module(self) -> torch.nn.Module:
         """The underlying (unwrapped) HF model, for generation and inspection."""
-
-    def reset_micro_batch(self, micro_batch: int, accumulation: int) -> None:
-        """Drop a half-accumulated step (after an OOM or a NaN loss) and go on with a new micro-batch."""
 
     def apply_move(self, move: Move, offload_activations: bool) -> None:
         """Go on in place one rung down the OOM ladder (a smaller micro-batch, checkpointing on every layer); only
@@ -131,8 +128,9 @@ class Levers:
 
 
 def move_in_place(engine, move: Move, offload_activations: bool) -> None:
-    """:meth:`Engine.apply_move` of the engines that reset in place (AMP, FSDP): drop the half-accumulated step;
-    with checkpointing newly on, wrap the model's layers, and activation offload rides on them from now on."""
+    """:meth:`Engine.apply_move` of the engines that reset in place (AMP, FSDP): drop the half-accumulated step
+    (each engine's own ``reset_micro_batch``, not the loop's business); with checkpointing newly on, wrap the
+    model's layers, and activation offload rides on them from now on."""
     engine.reset_micro_batch(move.to.micro_batch, move.to.accumulation)
     if move.kind == "checkpointing":
         levers = engine.levers

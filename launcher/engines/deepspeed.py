@@ -17,7 +17,7 @@ from launcher.engines import swap
 from launcher.engines.base import Levers, StepResult, batch_to, forward_loss, forward_reference
 from launcher.log import logger
 from launcher.machine import dist
-from launcher.machine.hardware import clear_stale_op_locks, op_state, remember_cpu_info, use_env_ninja
+from launcher.machine.deepspeed_ops import clear_stale_op_locks, op_state, remember_cpu_info, use_env_ninja
 from launcher.model.build import save_final
 
 
@@ -163,15 +163,6 @@ class DeepSpeedEngine:
         scale = self.optimizer.cur_scale if self.fp16 and hasattr(self.optimizer, "cur_scale") else None
         scale = scale.detach() if torch.is_tensor(scale) else float(scale) if scale is not None else None
         return StepResult(skipped=not self.engine.was_step_applied(), loss_scale=scale, grad_norm=norm)
-
-    def reset_micro_batch(self, micro_batch: int, accumulation: int) -> None:
-        """Drop a partly accumulated step's parameter gradients (a NaN loss: that update is never applied).
-
-        ZeRO keeps a half-accumulated step in its own partition buffers as well (which ones depends on the
-        stage, offload and the DeepSpeed version), so this is not enough to continue training: the OOM
-        ladder rebuilds a DeepSpeed engine from :meth:`portable_state` instead (``resets_in_place``)."""
-        self.engine.zero_grad()
-        self._micro = 0
 
     def apply_move(self, move, offload_activations: bool) -> None:
         raise NotImplementedError("a DeepSpeed engine is rebuilt down the OOM ladder (resets_in_place is False)")

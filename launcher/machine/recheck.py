@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from launcher.machine import timer
 from launcher.machine.speeds import Machine
 from launcher.machine.threads import Watch
 
@@ -62,22 +63,6 @@ def judge(ratios: dict, others_busy_cores: float) -> tuple[str | None, str | Non
     return None, None
 
 
-def _fastest(fn) -> float:
-    """The fastest call of ``fn`` over :data:`MIN_TIME_S` (three at least). Not ``launcher.measure.timing.best_of``:
-    the loop and ``machine/`` may not import ``measure/`` (import-linter), and what best_of adds (a warm-up, blocks
-    of calls under 100 us) is for sizes this check never times (1-50 ms)."""
-    times, deadline = [], time.perf_counter() + MIN_TIME_S
-    while len(times) < 3 or time.perf_counter() < deadline:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return min(times)
-
-
 def _probes(machine: Machine) -> dict:
     """name -> (calibrated seconds, a function that runs the same call now), from the calibration's samples."""
     samples = machine.measured.get("samples") or {}
@@ -109,7 +94,10 @@ def recheck(machine: Machine | None) -> Recheck | None:
         return None
     t0 = time.perf_counter()
     watch = Watch()
-    ratios = {name: calibrated / max(_fastest(fn), 1e-9) for name, (calibrated, fn) in probes.items()}
+    # each probe's fastest call over MIN_TIME_S, timed one by one as launcher.measure.timing.best_of times calls of
+    # 100 us and more (its warm-up and its blocks of shorter calls are for sizes this check never times: 1-50 ms)
+    ratios = {name: calibrated / max(min(timer.repeat(fn, MIN_TIME_S)), 1e-9)
+              for name, (calibrated, fn) in probes.items()}
     busy = watch.stop().others_busy_cores
     verdict, message = judge(ratios, busy)
     return Recheck(ratios=ratios, others_busy_cores=busy, seconds=time.perf_counter() - t0, verdict=verdict,

@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from launcher.machine.deepspeed_ops import deepspeed_status
 from launcher.machine.files import write_atomic
-from launcher.machine.hardware import deepspeed_status
 from launcher.paths import cache_root
 
 FORMAT = 2  # of the cache file; another value is measured again

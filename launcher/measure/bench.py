@@ -34,8 +34,10 @@ import subprocess
 import sys
 import time
 
+from launcher.config.checks import folder_problem
+from launcher.config.load import load_config
 from launcher.config.profiles import PROFILES
-from launcher.config.schema import AUTO, Config, ConfigError, folder_problem, load_config
+from launcher.config.schema import AUTO, Config, ConfigError
 from launcher.log import logger
 from launcher.machine import speeds
 from launcher.machine.files import write_atomic

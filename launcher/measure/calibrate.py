@@ -28,7 +28,7 @@ again on the CPU (``host``; on a CPU-only machine ``host`` is ``compute``, measu
 * **copies**: GPU <-> CPU, both ways, pinned (when ``ulimit -l`` allows pinning) and pageable; on a CPU-only
   machine a large host tensor copy (DeepSpeed's offload still copies gradients into CPU buffers there):
   bytes copied per second.
-* **optimizers**: one AdamW step, fp32 parameters with gradients, for each kind :func:`steptime.optimizer_kind`
+* **optimizers**: one AdamW step, fp32 parameters with gradients, for each kind :func:`launcher.plan.families.optimizer_kind`
   names (torch fused AdamW on each device that can run it, DeepSpeedCPUAdam, DeepSpeed's FusedAdam), at the
   thread count training uses: one tensor of 16M parameters (per-parameter cost; its 256 MiB of state do not
   fit in a cache) and 512 tensors of 1024 (per-tensor cost), the two solved for [seconds per parameter,
@@ -73,10 +73,11 @@ import time
 
 import torch
 
-from launcher.config.schema import load_config
+from launcher.config.load import load_config
 from launcher.log import logger
 from launcher.machine import speeds, threads
-from launcher.machine.hardware import deepspeed_status, pin_memory_ok, probe, remember_cpu_info
+from launcher.machine.deepspeed_ops import deepspeed_status, remember_cpu_info
+from launcher.machine.hardware import pin_memory_ok, probe
 from launcher.machine.speeds import Machine, Rates
 from launcher.measure import engine_costs, stepcal, timing
 from launcher.measure.timing import LR, TINY, TINY_SEQ, MiB, Sizes, nonneg_lstsq
@@ -181,7 +182,7 @@ def _attention(device: torch.device, dtypes: list[str], s: Sizes, raw: dict, ski
     import torch.nn.functional as F
 
     b, h, n, d = s.attention_gpu if device.type == "cuda" else s.attention
-    forward = 2 * b * h * n * n * (d + d) * (n + 1) // (2 * n)  # as memory.trace counts a causal fused kernel
+    forward = 2 * b * h * n * n * (d + d) * (n + 1) // (2 * n)  # as memory.tracker counts a causal fused kernel
     flops = forward + int(2.5 * forward)  # forward and backward
     out = {}
     for name in dtypes:
@@ -328,7 +329,7 @@ def _copies(gpu: bool, s: Sizes, raw: dict, skipped: dict) -> tuple[dict, dict]:
 
 def optimizer_factories(gpu: bool, deepspeed: bool = True) -> list[tuple[str, str, object, str | None]]:
     """(key in Machine.optimizers, device, factory(params) or None, why not) for each optimizer a profile
-    can step with here (keys as :func:`launcher.plan.steptime.optimizer_kind` names them)."""
+    can step with here (keys as :func:`launcher.plan.families.optimizer_kind` names them)."""
 
     kw = dict(lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     out = [("torch_fused_adamw@cpu", "cpu", lambda ps: torch.optim.AdamW(ps, fused=True, **kw), None)]

@@ -11,15 +11,17 @@ import time
 import torch
 
 from launcher import engines
+from launcher.config.load import load_config
 from launcher.config.profiles import PROFILES
-from launcher.config.schema import load_config
 from launcher.log import logger
 from launcher.machine.hardware import pin_memory_ok, probe
 from launcher.machine.speeds import Machine
+from launcher.machine.timer import sync
 from launcher.measure import stepcal
-from launcher.measure.timing import CPU_EXTRA, LR, TINY, TINY_SEQ, Sizes, nonneg_lstsq, op_built, sync, tiny_config, tiny_model
-from launcher.plan import planner
+from launcher.measure.timing import CPU_EXTRA, LR, TINY, TINY_SEQ, Sizes, nonneg_lstsq, op_built, tiny_config, tiny_model
+from launcher.plan import run_activations
 from launcher.plan.availability import profile_problem
+from launcher.plan.families import family_of
 from launcher.plan.resolve import RunSpec
 from launcher.plan.steptime import predict
 from launcher.precision import weight_dtype
@@ -43,7 +45,7 @@ def profile_for(fam: str, gpu_bf16: bool | None):
 def _engine_problem(p, cfg, hw, device) -> str | None:
 
     problem = profile_problem(p, cfg, hw, device)
-    if problem or p.engine != "deepspeed":
+    if problem or not family_of(p).deepspeed:
         return problem
     needed = []  # the catalogue's profiles step with torch's fused AdamW: no Adam op
     if device.type == "cpu":
@@ -62,8 +64,8 @@ def _predicted(p, machine: Machine, depth: int, device: torch.device, pinned: bo
     cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
     run = stepcal.run_shape(tiny_config(depth, hidden), p.precision, 2, TINY_SEQ, device.type, cap)
     counts = run.counts
-    est = planner.activations(run, planner.trace_family(p), 1)
-    t = predict(p, machine, ops=planner.ops_of(est, run), counts=counts, micro_batch=1, accumulation=2,
+    est = run_activations.activations(run, family_of(p).trace_family(p), 1)
+    t = predict(p, machine, ops=run_activations.ops_of(est, run), counts=counts, micro_batch=1, accumulation=2,
                 seq_len=TINY_SEQ, pinned=pinned)
     return t.micro_batch_s, t.step_s - 2 * t.micro_batch_s, counts.trainable_tensors, counts.total
 
@@ -133,7 +135,7 @@ def measure(machine: Machine, device: torch.device, s: Sizes, raw: dict, skipped
     families, runs, seconds = {}, {}, {}
     for fam in (*s.families, *extra):
         p = profile_for(fam, gpu.bf16 if gpu else None)
-        problem = _engine_problem(p, cfg, hw, device) if s.deepspeed or p.engine != "deepspeed" else (
+        problem = _engine_problem(p, cfg, hw, device) if s.deepspeed or not family_of(p).deepspeed else (
             "left out (a quick calibration)")
         if problem:
             skipped[f"engine {fam}"] = f"{p.name}: {problem}"

@@ -88,10 +88,10 @@ def run_shape(config, precision: str, batch: int, seq: int, device: str = "cpu",
 
 def _traced_ops(config, precision: str, batch: int, seq: int) -> dict:
     """The planner's op record of this model's micro-batch (what the step-time model will price)."""
-    from launcher.plan import planner
+    from launcher.plan import run_activations
 
     run = run_shape(config, precision, batch, seq)
-    return planner.ops_of(planner.activations(run, "amp", batch), run)
+    return run_activations.ops_of(run_activations.activations(run, "amp", batch), run)
 
 
 @contextlib.contextmanager

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from launcher.machine.hardware import op_state, use_env_ninja
+from launcher.machine.deepspeed_ops import op_state, use_env_ninja
+from launcher.machine.timer import once, repeat
 
 MiB = 1 << 20
-FAMILIES = ("amp", "amp_offload", "zero2", "zero2_offload", "zero3_offload", "fsdp")  # steptime.family names measured here
+FAMILIES = ("amp", "amp_offload", "zero2", "zero2_offload", "zero3_offload", "fsdp")  # launcher.plan.families names measured here
 # Measured again at another precision on a CPU, kept as 'family@precision': DeepSpeed's bf16 path (16-bit
 # weights, its fp32 partitions and the copy back) costs another engine time than its fp32 one (tiny Llama,
 # batch 8: zero2-bf16 ran 140 ms a step where zero2-fp32's numbers priced it at 84).
@@ -94,19 +95,6 @@ def nonneg_lstsq(rows: list[list[float]], ys: list[float]) -> list[float]:
             best, best_err = coef, err
     return best
 
-def sync() -> None:
-    if torch.cuda.is_available():  # as torch.utils.benchmark does: the GPU's work is part of the time
-        torch.cuda.synchronize()
-
-
-def once(fn) -> float:
-    sync()
-    t = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - t
-
-
 @contextlib.contextmanager
 def at_threads(n: int):
     before = torch.get_num_threads()
@@ -134,10 +122,8 @@ def best_of(fn, min_time: float, threads: int | None = None) -> tuple[float, flo
 
             m = Timer("fn()", globals={"fn": fn}, num_threads=threads).blocked_autorange(min_run_time=min_time)
             return min(m.times), m.median
-        times = list(warm) if min(warm) > min_time / 4 else []  # long calls: a warm-up call is a sample too
-        deadline = time.perf_counter() + min_time
-        while len(times) < 3 or time.perf_counter() < deadline:
-            times.append(once(fn))
+        # long calls: a warm-up call is a sample too
+        times = repeat(fn, min_time, warm if min(warm) > min_time / 4 else ())
     return min(times), statistics.median(times)
 
 

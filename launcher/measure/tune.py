@@ -15,14 +15,16 @@ import statistics
 import time
 from dataclasses import replace
 
+from launcher.config.checks import folder_problem
+from launcher.config.load import load_config
 from launcher.config.profiles import PROFILES
-from launcher.config.schema import ConfigError, folder_problem, load_config, to_yaml
+from launcher.config.schema import ConfigError, to_yaml
 from launcher.log import logger
 from launcher.machine import speeds
 from launcher.machine.hardware import probe
 from launcher.measure import bench, calibrate
 from launcher.plan import decide
-from launcher.plan.steptime import family
+from launcher.plan.families import family_of
 
 
 def candidate_overrides(c: dict) -> list[str]:
@@ -74,7 +76,7 @@ def tune(path: str | None, overrides: list[str], *, top: int = 3, out_yaml: str 
     ratios: dict[str, list[float]] = {}
     for r in ok:
         if r.get("predicted_step_s"):
-            fam = family(PROFILES[r["profile"]])
+            fam = family_of(PROFILES[r["profile"]]).name
             base = r["predicted_step_s"] / machine.corrections.get(fam, 1.0)  # the model's own prediction
             ratios.setdefault(fam, []).append(r["step_s"] / base)
     corrections = {fam: statistics.median(v) for fam, v in ratios.items()}

@@ -21,7 +21,9 @@ from dataclasses import replace
 
 import torch
 
-from launcher.config.schema import ConfigError, folder_problem, load_recorded
+from launcher.config.checks import folder_problem
+from launcher.config.load import load_recorded
+from launcher.config.schema import ConfigError
 from launcher.model import hfconfig
 from launcher.model.build import load_tokenizer, make_model, model_config
 from launcher.model.materialize import Placement

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from launcher.config.schema import AUTO, Config, ConfigError, with_overrides
+from launcher.config.load import with_overrides
+from launcher.config.schema import AUTO, Config, ConfigError
 from launcher.machine.hardware import Hardware
 from launcher.machine.speeds import Machine
 from launcher.model.presets import PRESETS
 from launcher.plan import gpus, planner
+from launcher.plan.rows import Plan, ProfilePlan
 from launcher.units import gib
 
 SHOWN = 5  # alternatives listed at most
@@ -61,7 +63,7 @@ class Alternative:
     tokens_per_s: float | None
     changes: str  # what it changes about the training (SAME: memory and time only)
 
-    def text(self, chosen: planner.ProfilePlan | None = None) -> str:
+    def text(self, chosen: ProfilePlan | None = None) -> str:
         where = f"GPU {gib(self.gpu_bytes)} of {gib(self.gpu_budget)}, " if self.device == "cuda" else ""
         speed = (f"{self.tokens_per_s:.0f} tokens/s" + (f", {self.tokens_per_s / chosen.tokens_per_s:.2f}x the chosen"
                                                          if chosen is not None and chosen.tokens_per_s else "")
@@ -73,9 +75,9 @@ class Alternative:
         return asdict(self)
 
 
-def add_suggestions(plan: planner.Plan, cfg: Config, hw: Hardware, profiles=None, world: int = 1,
+def add_suggestions(plan: Plan, cfg: Config, hw: Hardware, profiles=None, world: int = 1,
                     machine: Machine | None = None, card: gpus.GPUSpec | None = None, host: Machine | None = None,
-                    when_fits: bool = False, nodes: int = 1, links: dict | None = None) -> planner.Plan:
+                    when_fits: bool = False, nodes: int = 1, links: dict | None = None) -> Plan:
     """``plan`` with its alternatives filled in: when nothing fits (what would), and with ``when_fits`` also when
     something does (what else fits, faster or not). ``machine`` prices them as it priced the plan; ``card`` and
     ``host``: the plan is for that catalogue card, priced from ``host``'s calibration, and bigger cards are tried."""

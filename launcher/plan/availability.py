@@ -26,6 +26,7 @@ from launcher.config import user_ds_config
 from launcher.config.profiles import PROFILES, Profile
 from launcher.config.schema import AUTO, Config, ConfigError
 from launcher.machine.hardware import Hardware
+from launcher.plan.families import family_of
 from launcher.precision import PRECISIONS, deepspeed_runs_fp16
 
 # Equal speed rank and no step times: torch's AMP path first, on a GPU as on a CPU. On one H200 (issue 43, llama-125m,
@@ -84,32 +85,29 @@ def _precision_for(cfg: Config, hw: Hardware, device: torch.device) -> tuple[str
 
 def profile_problem(p: Profile, cfg: Config, hw: Hardware, device: torch.device) -> str | None:
     """Why profile ``p`` cannot run here at all (None when it can)."""
-    if p.engine == "deepspeed":
+    fam = family_of(p)
+    if fam.deepspeed:
         if hw.deepspeed is None:
             return f"DeepSpeed {hw.deepspeed_error or 'is not installed'}"
         if cfg.model.compile:  # DeepSpeed wraps the module and hooks every parameter; its engine.compile() is not wired
             return "model.compile=true compiles the model on the AMP and FSDP paths only"
         if p.precision == "fp16" and not deepspeed_runs_fp16(device.type):
             return f"DeepSpeed refuses fp16 on the {device.type.upper()}"
-    if p.engine == "amp" and p.offload_optimizer:  # launcher/engines/offload_opt.py: torch's AdamW on fp32 masters
+    if fam.bitsandbytes_refusal:  # bitsandbytes' layers and optimizers on the AMP path only, and not on the CPU's
+        on_quantized, on_optimizer = fam.bitsandbytes_refusal
         if cfg.model.quantize != "none":
-            return f"model.quantize={cfg.model.quantize} (bitsandbytes) runs on the AMP path without optimizer offload"
-        if cfg.train.optimizer != "adamw":
-            return f"train.optimizer={cfg.train.optimizer} (bitsandbytes) is not a CPU optimizer"
-    if p.engine != "amp":
-        if cfg.model.quantize != "none":
-            return f"model.quantize={cfg.model.quantize} (bitsandbytes) runs on the AMP path only"
+            return f"model.quantize={cfg.model.quantize} (bitsandbytes) {on_quantized}"
         if cfg.train.optimizer in ("adamw8bit", "paged_adamw8bit"):
-            return f"train.optimizer={cfg.train.optimizer} (bitsandbytes) runs on the AMP path only"
+            return f"train.optimizer={cfg.train.optimizer} (bitsandbytes) {on_optimizer}"
     if p.nvme:
         status = hw.async_io if hw.async_io != "not checked" else None
         if status is None and cfg.memory.nvme_path and hw.deepspeed is not None:
-            from launcher.machine.hardware import async_io_status
+            from launcher.machine.deepspeed_ops import async_io_status
 
             status = hw.async_io = async_io_status()
         if status and status != "usable":
             return f"DeepSpeed's async_io op, which NVMe offload needs, is {status}"
-    if p.engine == "fsdp" and not fsdp_available():
+    if fam.fully_shard and not fsdp_available():
         return "torch.distributed.fsdp.fully_shard is not available in this torch (2.6 or newer has it)"
     return None
 
@@ -178,10 +176,10 @@ class Availability:
 
     def engine_reason(self, chosen: Profile) -> str | None:
         """Why a torch engine was chosen over DeepSpeed (None when DeepSpeed was chosen or never possible)."""
-        if chosen.engine == "deepspeed":
+        if family_of(chosen).deepspeed:
             return None
         for p in PROFILES.values():
-            if p.engine == "deepspeed" and p.precision == self.precision and p.name in self.problems:
+            if family_of(p).deepspeed and p.precision == self.precision and p.name in self.problems:
                 return f"engine {chosen.engine}, not DeepSpeed: {self.problems[p.name]}"
         return None
 
@@ -194,8 +192,7 @@ def rank_key(p: Profile, device: str = "cuda") -> tuple:
     """The order without step times: the AMP family first (plain, then its optimizer offload: issue 43 measured
     ZeRO-2 at 0.56x AMP with the same memory on one GPU), then the others by speed rank and engine (DeepSpeed,
     FSDP). ZeRO-1/2 without offload is chosen over the AMP family only where it is priced faster or AMP cannot run."""
-    amp_family = p.engine == "amp" and not p.offload_param
-    return (0 if amp_family else 1, p.speed_rank,
+    return (0 if family_of(p).torch_amp else 1, p.speed_rank,
             (ENGINE_PREFERENCE_CPU if device == "cpu" else ENGINE_PREFERENCE).index(p.engine))
 
 
@@ -204,7 +201,7 @@ ONE_RANK = "runs on one rank (torch's optimizer offload has no gradient all-redu
 
 def rank_problem(p: Profile, world: int) -> str | None:
     """Why ``p`` cannot run on ``world`` ranks (None when it can): the AMP optimizer offload is one rank's."""
-    return ONE_RANK if world > 1 and p.engine == "amp" and p.offload_optimizer else None
+    return ONE_RANK if world > 1 and family_of(p).one_rank else None
 
 
 def assess(cfg: Config, hw: Hardware, local_rank: int = 0) -> Availability:

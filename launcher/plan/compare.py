@@ -17,6 +17,7 @@ from launcher.config.schema import Config, ConfigError
 from launcher.machine.hardware import Hardware
 from launcher.machine.speeds import Machine
 from launcher.plan import gpus, planner
+from launcher.plan.rows import Plan
 
 
 @dataclass
@@ -107,7 +108,7 @@ def check_counts(cfg: Config, counts: list[int], nodes: int) -> None:
 
 def plan_on(cfg: Config, spec: gpus.GPUSpec, host_hw: Hardware, host: Machine, count: int = 1, nodes: int = 1,
             network_gbps: float = gpus.DEFAULT_NETWORK_GBPS, ram_gib: float | None = None,
-            exact_rows: bool = True) -> planner.Plan:
+            exact_rows: bool = True) -> Plan:
     """The plan of ``cfg`` on ``count`` x ``spec`` per machine, ``nodes`` machines like this host."""
     return planner.plan(cfg, gpus.hardware(spec, host_hw, ram_gib), world=count * nodes,
                         machine=gpus.machine(spec, host), exact_rows=exact_rows, nodes=nodes,

@@ -21,6 +21,7 @@ from launcher.machine.hardware import Hardware, with_nvme
 from launcher.machine.speeds import Machine
 from launcher.plan import advice, gpus, planner
 from launcher.plan.resolve import RunSpec, resolve
+from launcher.plan.rows import Plan
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class Decision:
     cfg: Config  # as settled: every data format read from its records
     hw: Hardware  # memory.nvme_path measured; a card of the catalogue in place of this machine's GPU
     machine: Machine | None  # the speeds that priced the plan, rechecked (a card's: its data sheet over this host)
-    plan: planner.Plan | None = field(compare=False)
+    plan: Plan | None = field(compare=False)
     spec: RunSpec | None = field(compare=False)  # the run decided (None for a plan only)
     notes: tuple[str, ...] = ()  # for the caller to log, in order
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from launcher.plan.planner import Plan
+from launcher.plan.rows import Plan
 from launcher.units import GiB, gib
 
 

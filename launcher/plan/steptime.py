@@ -2,7 +2,7 @@
 
 A step is ``accumulation`` micro-batches of forward + backward, then the optimizer step. Its parts:
 
-- ``compute``: every op of one traced forward + backward (:mod:`launcher.plan.memory.trace` records each
+- ``compute``: every op of one traced forward + backward (:mod:`launcher.plan.memory.tracker` records each
   dispatched ATen op with its FLOPs -- torch's own FLOP formulas, ``torch.utils.flop_counter`` -- and the
   bytes it reads and writes), recompute of checkpointed layers included, priced by a roofline per op:
   ``max(flops / matmul or attention rate, bytes / memory bandwidth)``, plus the fixed cost of an op in a
@@ -17,7 +17,7 @@ A step is ``accumulation`` micro-batches of forward + backward, then the optimiz
   offload-all: 16-bit weights up for every forward and again for every backward, gradients down; FSDP2
   CPU offload: each unit's fp32 shard up for forward and for backward, its fp32 gradient down), over
   the measured host-device bandwidth (pinned or pageable, as the run pins). Which of them overlap
-  compute follows each engine's source (rules at :data:`OVERLAP`).
+  compute follows each engine's source (each family's ``overlap_*``, :mod:`launcher.plan.families`).
 - ``engine``: each engine's own fixed cost per micro-batch and per step (hooks, bucketing, bookkeeping),
   measured on this machine by ``vramfit doctor --calibrate`` on models so small that nothing else costs.
 - ``memory_traffic``: the engine's own passes over gradients and weights on the compute device (ZeRO's
@@ -31,38 +31,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from launcher.config.profiles import DS_DEFAULT_BUCKET, Profile
+from launcher.config.profiles import Profile
 from launcher.machine.speeds import Machine, Rates
+from launcher.plan.families import family_of, optimizer_kind
+from launcher.plan.families.base import Family
 
 # ------------------------------------------------------------------------------------------------
-# Which engine does what
-
-
-# Engine families for fixed costs and optimizer kinds.
-def family(p: Profile) -> str:
-    if p.engine == "deepspeed":
-        if p.zero_stage >= 3:
-            return "zero3_offload" if p.offload_param else "zero3"
-        return "zero2_offload" if p.offload_optimizer else "zero2"
-    if p.engine == "amp" and p.offload_optimizer:
-        return "amp_offload"
-    return p.engine  # 'amp' | 'fsdp'
-
-
-def optimizer_kind(p: Profile, device: str, optimizer: str = "adamw") -> str:
-    """The key in :attr:`Machine.optimizers`: ``<optimizer>@<device it steps on>``, e.g.
-    ``torch_fused_adamw@cpu``, ``deepspeed_cpu_adam@cpu``, ``deepspeed_fused_adam@cuda``."""
-    if optimizer in ("adamw8bit", "paged_adamw8bit"):  # paging moves nothing while the GPU has room
-        return f"bnb_adamw8bit@{device}"
-    if p.engine == "deepspeed" and p.ds_optimizer:  # a user's JSON with an optimizer section: DeepSpeed's ops
-        if p.offload_optimizer:
-            return "deepspeed_cpu_adam@cpu"
-        return f"deepspeed_fused_adam@{device}"
-    if p.engine == "deepspeed":  # torch's fused AdamW as DeepSpeed's client optimizer, on the offloaded partitions
-        return "torch_fused_adamw@cpu" if p.offload_optimizer else f"torch_fused_adamw@{device}"
-    if p.engine == "fsdp" or p.offload_optimizer:  # FSDP2's CPU offload policy; AMP's offloaded update: on the CPU
-        return "torch_fused_adamw@cpu"
-    return f"torch_fused_adamw@{device}"
+# Which engine does what: each family's answers (launcher.plan.families), and what the model makes of them
 
 
 # The model's measured error per engine family: the median |predicted - measured| / measured step time of the
@@ -78,7 +53,7 @@ MODEL_ERROR_SOURCE = "bench/results/2026-12-02-cpu-xeon/steptime-wide-engine/fas
 
 def model_error(p: Profile) -> float:
     """The step-time model's measured relative error for ``p``'s engine family (see :data:`MODEL_ERROR`)."""
-    return MODEL_ERROR.get(family(p), max(MODEL_ERROR.values()))
+    return MODEL_ERROR.get(family_of(p).name, max(MODEL_ERROR.values()))
 
 
 def moving_parts(p: Profile, offload_activations: bool = False) -> tuple[int, int]:
@@ -87,37 +62,12 @@ def moving_parts(p: Profile, offload_activations: bool = False) -> tuple[int, in
     the engine, its machinery over plain torch (AMP 0, ZeRO-2 1, FSDP2 2, ZeRO-3 3)."""
     offload = (int(p.offload_optimizer) + 2 * int(p.offload_param) + int(offload_activations)
                + 2 * (int(getattr(p, "nvme_optimizer", False)) + int(getattr(p, "nvme_param", False))))
-    engine = {"amp": 0, "fsdp": 2}.get(p.engine, 3 if p.zero_stage >= 3 else 1)
-    return offload, engine
+    return offload, family_of(p).machinery
 
 
 # ZeRO's gradient buckets: the ops each flush of a bucket costs besides its bytes (flatten, copy, event, the hook's
 # bookkeeping), priced at the machine's measured per-op cost; what makes a smaller bucket slower.
 BUCKET_OPS = 4
-
-
-# Which copies overlap compute, per engine (True: they run on a side stream while layers compute).
-OVERLAP = {
-    # DeepSpeed ZeRO-2 with overlap_comm (our profiles set it): gradients are reduced and, with optimizer
-    # offload, copied to pinned CPU buffers on a side stream as each bucket fills during backward
-    # (deepspeed/runtime/zero/stage_1_and_2.py, reduce_independent_p_g_buckets_and_remove_grads /
-    # async_inplace_copy_grad_to_fp32_buffer_from_gpu); the updated 16-bit weights are copied back after
-    # the optimizer step, outside backward, so that copy does not overlap.
-    "zero2_offload": {"grads": True, "weights": False},
-    # ZeRO-3 prefetches the next modules' parameters (stage3_prefetch_bucket_size) on a side stream while
-    # the current one computes, in forward and backward (deepspeed/runtime/zero/partitioned_param_coordinator.py);
-    # gradients leave on the reduction stream (stage3.py, overlap_comm).
-    "zero3_offload": {"grads": True, "weights": True},
-    # AMP with the optimizer offloaded (launcher/engines/offload_opt.py): each gradient is copied down on a side
-    # stream as backward completes it (post-accumulate-grad hooks), in the last micro-batch of a step; the updated
-    # weights go up on another side stream while the CPU updates the next parameter, so their copy hides behind the
-    # optimizer's time, not the compute's (priced as the larger of the two).
-    "amp_offload": {"grads": True, "weights": False},
-    # FSDP2 prefetches the next unit's all-gather (the H2D copy of its CPU shard) during the current
-    # unit's compute, forward and backward (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py,
-    # implicit prefetching), and offloads reduced gradients with non_blocking copies.
-    "fsdp": {"grads": True, "weights": True},
-}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -137,7 +87,7 @@ class StepTime:
 
 
 def op_seconds(ops: dict, rates: Rates, host_bound: bool, precision: str | None = None) -> tuple[float, float]:
-    """(seconds, of which fixed per-op costs) for a traced op record (see ``memory.trace.OpKey``) of a step in
+    """(seconds, of which fixed per-op costs) for a traced op record (see ``memory.tracker.OpKey``) of a step in
     ``precision`` (its in-step costs where the rates have them)."""
     total = fixed = 0.0
     costs = rates.step_costs.get(precision) if precision else None
@@ -167,16 +117,9 @@ def collectives(p: Profile, counts, lora: bool, world: int) -> tuple[float, floa
     """Bytes each rank sends over the ranks' links, as (per micro-batch overlapped with its compute, per step
     overlapped with one micro-batch's compute, per step not overlapped), for a ring collective: an all-reduce of S
     bytes sends 2 (N-1)/N S per rank, a reduce-scatter or an all-gather (N-1)/N S (NCCL's own accounting of bus
-    bandwidth, nccl-tests' PERFORMANCE.md).
-
-    - AMP on several ranks is DDP: one all-reduce of the fp32 gradients per step (``no_sync`` while accumulating),
-      in buckets during the last micro-batch's backward (torch/nn/parallel/distributed.py, the reducer's hooks).
-    - ZeRO-1/2: a reduce-scatter of the 16-bit gradients every micro-batch, during backward (``overlap_comm``), and
-      an all-gather of the updated 16-bit partitions after the step, not overlapped
-      (deepspeed/runtime/zero/stage_1_and_2.py: reduce_ipg_grads, then all_gather_dp_groups in step()).
-    - ZeRO-3 and FSDP2: every micro-batch gathers each layer's 16-bit parameters for forward and again for
-      backward, prefetched while the previous layer computes, and reduce-scatters the gradients
-      (partitioned_param_coordinator.py; torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py).
+    bandwidth, nccl-tests' PERFORMANCE.md). Which collectives run when is the family's
+    (:meth:`launcher.plan.families.base.Family.collectives`): DDP's all-reduce per step for AMP, ZeRO-1/2's
+    reduce-scatter per micro-batch and all-gather per step, ZeRO-3's and FSDP2's gathers for forward and backward.
     """
     if world <= 1:
         return 0.0, 0.0, 0.0
@@ -184,12 +127,74 @@ def collectives(p: Profile, counts, lora: bool, world: int) -> tuple[float, floa
     cd = 4 if p.precision == "fp32" else 2
     trainable = counts.adapters if lora else counts.total
     full = counts.total + (counts.adapters if lora else 0)
-    fam = family(p)
-    if fam == "amp":
-        return 0.0, 2 * share * 4 * trainable, 0.0
-    if fam in ("zero2", "zero2_offload"):
-        return share * cd * trainable, 0.0, share * cd * trainable
-    return 2 * share * cd * full + share * cd * trainable, 0.0, 0.0  # zero3, zero3_offload, fsdp
+    return family_of(p).collectives(share, cd, trainable, full)
+
+
+def _fixed_costs(fam: Family, p: Profile, machine: Machine, n_tensors: int, full: int, trainable: int,
+                 notes: list) -> tuple[float, float]:
+    """The engine's own fixed seconds per micro-batch and per step, as measured for its family."""
+    # a family measured at this precision (a CPU's DeepSpeed bf16, see launcher.measure.timing.CPU_EXTRA), else at its own
+    eng = (machine.engines.get(f"{fam.name}@{p.precision}") or machine.engines.get(fam.name)
+           or machine.engines.get("amp") or {})
+    if fam.name not in machine.engines:
+        notes.append(f"no measured fixed costs for {fam.name}: those of amp stand in")
+    # per parameter: a micro-batch's passes touch every weight (casts, shards, hooks), the step's the trainable ones
+    micro_fixed = (eng.get("micro_s", 0.0) + eng.get("micro_tensor_s", 0.0) * n_tensors
+                   + eng.get("micro_param_s", 0.0) * full)
+    step_fixed = eng.get("step_s", 0.0) + eng.get("step_tensor_s", 0.0) * n_tensors + eng.get("step_param_s", 0.0) * trainable
+    return micro_fixed, step_fixed
+
+
+def _overlapped(fam: Family, on_gpu: bool, fb: float, t_grads: float, t_weights: float,
+                tail_share: float) -> tuple[float, float]:
+    """(a micro-batch's seconds, of which copies not hidden) with the copies overlapping compute where the family's
+    do (:attr:`launcher.plan.families.base.Family.overlap_grads`, ``overlap_weights``)."""
+    if on_gpu and fam.overlap_weights and fam.overlap_grads:
+        micro = max(fb, t_weights + t_grads)
+        return micro, max(0.0, micro - fb)
+    if on_gpu and fam.overlap_grads:
+        micro = max(fb, t_grads * (1 - tail_share)) + t_grads * tail_share + t_weights
+        return micro, micro - fb
+    return fb + t_grads + t_weights, t_grads + t_weights
+
+
+def _communication(p: Profile, counts, lora: bool, world: int, nodes: int, links: dict | None, compute: float,
+                   notes: list) -> tuple[float, float, float]:
+    """Seconds of the collectives left over by the compute they run beside: per micro-batch, per step overlapped
+    with one micro-batch, per step."""
+    comm_micro, comm_step_overlapped, comm_step = collectives(p, counts, lora, world)
+    if world > 1 and links:
+        bw = min(links["intra"], links["inter"]) if nodes > 1 else links["intra"]
+        notes.append(f"communication over {links['inter_source'] if nodes > 1 else links['intra_source']} "
+                     f"({bw / 1e9:.3g} GB/s)")
+        return max(0.0, comm_micro / bw - compute), max(0.0, comm_step_overlapped / bw - compute), comm_step / bw
+    if world > 1:
+        notes.append("communication between ranks not priced (no link speeds)")
+    return 0.0, 0.0, 0.0
+
+
+def _optimizer(p: Profile, machine: Machine, optimizer: str, trainable: int, n_tensors: int, notes: list) -> float:
+    """Seconds of the optimizer's update at the measured speed of the one the profile steps with."""
+    kind = optimizer_kind(p, machine.compute.device, optimizer)
+    stand_in = f"torch_fused_adamw@{kind.split('@')[1]}"
+    per_param, per_tensor = machine.optimizers.get(kind) or machine.optimizers.get(stand_in) or (0.0, 0.0)
+    if kind not in machine.optimizers:
+        notes.append(f"no measured speed for {kind}: {stand_in} stands in")
+    return trainable * per_param + n_tensors * per_tensor
+
+
+def _disk(p: Profile, machine: Machine, disk: dict | None, cd: int, trainable: int, full: int) -> tuple[float, float]:
+    """ZeRO-Infinity's swap seconds (per micro-batch, per step), the disk priced as if alone."""
+    t_disk_micro = t_disk_step = 0.0
+    if disk and getattr(p, "nvme", False):
+        wr = disk.get("write_bytes_per_s") or machine.disk_write_bytes_per_s or 1e9
+        rd = disk.get("read_bytes_per_s") or wr
+        if p.nvme_optimizer:
+            t_disk_step += 12 * trainable / rd + 12 * trainable / wr
+        if p.nvme_param:
+            t_disk_micro = 2 * cd * full / rd
+            t_disk_step += cd * full / wr
+    return t_disk_micro, t_disk_step
 
 
 def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int, accumulation: int,
@@ -214,140 +219,58 @@ def predict(p: Profile, machine: Machine, *, ops: dict, counts, micro_batch: int
     on_gpu = machine.compute.device == "cuda"
     cd = 4 if p.precision == "fp32" else 2
     trainable = counts.adapters if lora else counts.total
-    base = counts.total
+    full = counts.total + (counts.adapters if lora else 0)
     n_tensors = counts.trainable_tensors if hasattr(counts, "trainable_tensors") else 0
     notes = []
     compute, _fixed = op_seconds(ops, machine.compute, host_bound=on_gpu, precision=p.precision)
-    fam = family(p)
-    # a family measured at this precision (a CPU's DeepSpeed bf16, see launcher.measure.timing.CPU_EXTRA), else at its own
-    eng = machine.engines.get(f"{fam}@{p.precision}") or machine.engines.get(fam) or machine.engines.get("amp") or {}
-    if fam not in machine.engines:
-        notes.append(f"no measured fixed costs for {fam}: those of amp stand in")
-    # per parameter: a micro-batch's passes touch every weight (casts, shards, hooks), the step's the trainable ones
-    full = base + (counts.adapters if lora else 0)
-    micro_fixed = (eng.get("micro_s", 0.0) + eng.get("micro_tensor_s", 0.0) * n_tensors
-                   + eng.get("micro_param_s", 0.0) * full)
-    step_fixed = eng.get("step_s", 0.0) + eng.get("step_tensor_s", 0.0) * n_tensors + eng.get("step_param_s", 0.0) * trainable
+    fam = family_of(p)
+    micro_fixed, step_fixed = _fixed_costs(fam, p, machine, n_tensors, full, trainable, notes)
+    mv = fam.moves(p, cd=cd, trainable=trainable, full=full, accumulation=accumulation, on_gpu=on_gpu)
+    if mv.bucket_flushes:
+        micro_fixed += BUCKET_OPS * machine.compute.op_s * mv.bucket_flushes
     # Copies between the GPU and the CPU (on a CPU-only machine the same bytes move in host memory).
     link = "pinned" if pinned else "pageable"
     h2d = machine.h2d_bytes_per_s.get(link) or machine.host.memory_bytes_per_s
     d2h = machine.d2h_bytes_per_s.get(link) or machine.host.memory_bytes_per_s
-    grads_down = weights_up_micro = weights_up_step = 0.0
-    tail_share = 0.0  # the share of grads_down that leaves after the backward (nothing left to overlap it)
-    traffic_micro = traffic_step = 0.0  # bytes of the engine's own passes on the compute device
-    host_traffic_step = 0.0
-    if fam == "zero2":
-        # contiguous_gradients: each gradient is copied into the bucket and from it into the partition
-        traffic_micro = 4 * cd * trainable
-        # fp32 copy of the flat gradient, its norm, unscale/clip, and the fp32 master copied back to 16 bits
-        traffic_step = (cd + 4 + 4 + 8 + 4 + cd) * trainable
-    elif fam == "zero2_offload":
-        grads_down = cd * trainable
-        # with overlap_comm a bucket leaves for the CPU once it is full: the last one only after backward, so its
-        # share of the gradients is copied with nothing to hide behind; each bucket costs a few ops of its own
-        # (the flatten into the bucket, the copy, the event, the hook's bookkeeping)
-        bucket = p.reduce_bucket_size or min(DS_DEFAULT_BUCKET, trainable)
-        tail_share = min(1.0, bucket / max(1, trainable))
-        micro_fixed += BUCKET_OPS * machine.compute.op_s * -(-trainable // max(1, bucket))
-        traffic_micro = 2 * cd * trainable
-        host_traffic_step = (4 + 8) * trainable  # norm and clip of the fp32 gradients on the CPU
-        weights_up_step = cd * trainable
-    elif fam == "zero3_offload":
-        weights_up_micro = 2 * cd * (base + (counts.adapters if lora else 0))  # forward, and again in backward
-        grads_down = cd * trainable
-        host_traffic_step = (4 + 8 + 4 + cd) * trainable  # norm, clip, master -> 16-bit partition on the CPU
-    elif fam == "fsdp":
-        if on_gpu:
-            weights_up_micro = 2 * 4 * full  # each unit's fp32 shard for forward and for backward
-            grads_down = 4 * trainable
-            traffic_micro = 2 * (4 + cd) * full  # the cast to the compute dtype after each copy
-        else:  # the CPU mesh: nothing to copy, the casts remain
-            traffic_micro = 2 * (4 + cd) * full + (cd + 4) * trainable
-        host_traffic_step = (4 + 8) * trainable
-    elif fam == "amp_offload":
-        grads_down = cd * trainable / accumulation  # once per step: spread here over the micro-batches
-        traffic_micro = (cd + 4) * trainable / accumulation  # each gradient's norm, in fp32, as it leaves
-        if accumulation > 1:
-            traffic_micro += 3 * cd * trainable * (accumulation - 1) / accumulation  # grad += (after the first)
-        # on the CPU: widen into the fp32 gradient, the clip/unscale factor, narrow the master back to 16 bits
-        host_traffic_step = (cd + 4 + 8 + 4 + cd) * trainable
-        weights_up_step = cd * trainable
-    elif fam == "amp":
-        traffic_step = (4 + 8) * trainable  # clip_grad_norm_: the norm, then the scale
-        if accumulation > 1:
-            traffic_micro = 12 * trainable * (accumulation - 1) / accumulation  # grad += (after the first)
-        if p.precision == "fp16":
-            traffic_step += 8 * trainable  # GradScaler.unscale_
     # The engine's passes run between the step's own ops: at the elementwise rate measured inside steps where
     # there is one (a CPU), else at the looped memory bandwidth.
     mem = (machine.compute.step_costs.get(p.precision) or {}).get("bytes_per_s") or machine.compute.memory_bytes_per_s
     host_mem = (machine.host.step_costs.get(p.precision) or {}).get("bytes_per_s") or machine.host.memory_bytes_per_s
-    t_grads = grads_down / d2h
-    t_weights_micro = weights_up_micro / h2d
     t_activations = activation_copy_bytes / d2h + activation_copy_bytes / h2d
-    overlap = OVERLAP.get(fam, {})
-    fb = compute + traffic_micro / mem + micro_fixed
-    if on_gpu and overlap.get("weights") and overlap.get("grads"):
-        micro = max(fb, t_weights_micro + t_grads)
-        exposed_copies = max(0.0, micro - fb)
-    elif on_gpu and overlap.get("grads"):
-        micro = max(fb, t_grads * (1 - tail_share)) + t_grads * tail_share + t_weights_micro
-        exposed_copies = micro - fb
-    else:
-        micro = fb + t_grads + t_weights_micro
-        exposed_copies = t_grads + t_weights_micro
+    fb = compute + mv.traffic_micro / mem + micro_fixed
+    micro, exposed_copies = _overlapped(fam, on_gpu, fb, mv.grads_down / d2h, mv.weights_up_micro / h2d,
+                                        mv.tail_share)
     micro += t_activations
     t_reference = 0.0
     if reference_share:
-        t_reference = reference_share * (compute + traffic_micro / mem + micro_fixed) + weights_up_micro / 2 / h2d
+        t_reference = reference_share * fb + mv.weights_up_micro / 2 / h2d
         micro += t_reference
-    comm_micro, comm_step_overlapped, comm_step = collectives(p, counts, lora, world)
-    t_comm_micro = t_comm_step_overlapped = t_comm_step = 0.0
-    if world > 1 and links:
-        bw = min(links["intra"], links["inter"]) if nodes > 1 else links["intra"]
-        t_comm_micro = max(0.0, comm_micro / bw - compute)  # the collectives run beside the compute
-        t_comm_step_overlapped = max(0.0, comm_step_overlapped / bw - compute)
-        t_comm_step = comm_step / bw
-        notes.append(f"communication over {links['inter_source'] if nodes > 1 else links['intra_source']} "
-                     f"({bw / 1e9:.3g} GB/s)")
-    elif world > 1:
-        notes.append("communication between ranks not priced (no link speeds)")
+    t_comm_micro, t_comm_step_overlapped, t_comm_step = _communication(p, counts, lora, world, nodes, links,
+                                                                       compute, notes)
     micro += t_comm_micro
-    kind = optimizer_kind(p, machine.compute.device, optimizer)
-    stand_in = f"torch_fused_adamw@{kind.split('@')[1]}"
-    per_param, per_tensor = machine.optimizers.get(kind) or machine.optimizers.get(stand_in) or (0.0, 0.0)
-    if kind not in machine.optimizers:
-        notes.append(f"no measured speed for {kind}: {stand_in} stands in")
-    opt = trainable * per_param + n_tensors * per_tensor
-    t_weights_step = weights_up_step / h2d
-    if fam == "amp_offload" and on_gpu:  # the upload of one parameter runs beside the update of the next
+    opt = _optimizer(p, machine, optimizer, trainable, n_tensors, notes)
+    t_weights_step = mv.weights_up_step / h2d
+    if fam.weights_behind_optimizer and on_gpu:  # the upload of one parameter runs beside the update of the next
         t_weights_step = max(0.0, t_weights_step - opt)
-    t_disk_micro = t_disk_step = 0.0
-    if disk and getattr(p, "nvme", False):
-        wr = disk.get("write_bytes_per_s") or machine.disk_write_bytes_per_s or 1e9
-        rd = disk.get("read_bytes_per_s") or wr
-        if p.nvme_optimizer:
-            t_disk_step += 12 * trainable / rd + 12 * trainable / wr
-        if p.nvme_param:
-            t_disk_micro = 2 * cd * full / rd
-            t_disk_step += cd * full / wr
-        micro += t_disk_micro
+    t_disk_micro, t_disk_step = _disk(p, machine, disk, cd, trainable, full)
+    micro += t_disk_micro
     t_weights_step += t_disk_step
-    step_extra = (traffic_step / mem + host_traffic_step / host_mem + t_weights_step + step_fixed
+    step_extra = (mv.traffic_step / mem + mv.host_traffic_step / host_mem + t_weights_step + step_fixed
                   + t_comm_step_overlapped + t_comm_step)
     parts = {"compute": compute * accumulation, "engine": (micro_fixed * accumulation + step_fixed),
-             "memory_traffic": traffic_micro / mem * accumulation + traffic_step / mem + host_traffic_step / host_mem,
+             "memory_traffic": (mv.traffic_micro / mem * accumulation + mv.traffic_step / mem
+                                + mv.host_traffic_step / host_mem),
              "copies": exposed_copies * accumulation + t_weights_step, "optimizer": opt,
              "activation_copies": t_activations * accumulation, "disk": (t_disk_micro * accumulation + t_disk_step),
              "communication": t_comm_micro * accumulation + t_comm_step_overlapped + t_comm_step,
              "reference_forward": t_reference * accumulation}
     parts["copies"] -= t_disk_step
     step = micro * accumulation + opt + step_extra
-    correction = machine.corrections.get(fam)
+    correction = machine.corrections.get(fam.name)
     if correction:  # measured by `vramfit tune` on this machine: the model's error for this engine family
         parts["tune_correction"] = step * (correction - 1)
         step *= correction
-        notes.append(f"x{correction:.3g} from vramfit tune's measurements of {fam} on this machine")
+        notes.append(f"x{correction:.3g} from vramfit tune's measurements of {fam.name} on this machine")
     parts = {k: v for k, v in parts.items() if v}  # they add up to the step: micro = fb + exposed copies
     tokens = micro_batch * accumulation * world * seq_len
     return StepTime(step_s=step, parts=parts, tokens_per_s=tokens / step, micro_batch_s=micro, notes=notes)

@@ -21,7 +21,7 @@ FAST = ["train.max_steps=24", "train.warmup_steps=4", "train.micro_batch_size=2"
 
 
 def has_deepspeed() -> bool:
-    from launcher.machine.hardware import deepspeed_status
+    from launcher.machine.deepspeed_ops import deepspeed_status
 
     return deepspeed_status()[1] is None
 
@@ -31,7 +31,7 @@ needs_deepspeed = pytest.mark.skipif(not has_deepspeed(), reason="DeepSpeed is n
 
 def run_inprocess(tmp_path, *overrides, hooks=None, fast=True):
     """Train in this process; returns (summary, metrics rows)."""
-    from launcher.config.schema import load_config
+    from launcher.config.load import load_config
     from launcher.training.loop import train
 
     cfg = load_config(None, [*(FAST if fast else []), f"train.threads={THREADS}", f"output_dir={tmp_path}", "device=cpu",

@@ -26,7 +26,7 @@ import torch
 
 from launcher.model import loss as lossmod
 from launcher.model.structure import num_layers
-from launcher.plan.memory import trace
+from launcher.plan.memory import tracker
 from launcher.plan.memory.shape import config_key
 from launcher.plan.memory.trace import StepTrace, TraceSettings, trace_depth
 
@@ -188,7 +188,7 @@ def _prefetch(config, wanted: list[tuple[int, TraceSettings]], trust_remote_code
                 missing[key] = (d, leaf)
     if len(missing) < 2:
         return
-    if _POOL is None and not trace.op_results_known():
+    if _POOL is None and not tracker.op_results_known():
         return  # the first traces are made here, so the workers start with the op results they share
     if _POOL is None:
         _POOL = concurrent.futures.ProcessPoolExecutor(

@@ -27,9 +27,10 @@ engine asks it for with ``pin_memory`` on; FSDP2's CPU shards are not among them
 
 from __future__ import annotations
 
-from launcher.config.profiles import NVME_SUB_GROUP, Profile
+from launcher.config.profiles import Profile
 from launcher.model.weights import FINAL_SHARD_BYTES
-from launcher.plan.memory.states import QUANT_BYTES_PER_PARAM, ZERO3_SUB_GROUP, RunShape
+from launcher.plan.families import family_of
+from launcher.plan.memory.states import QUANT_BYTES_PER_PARAM, RunShape, sizes
 from launcher.precision import BYTES, trainable_dtype, weight_dtype
 
 PHASES = ("setup", "train", "checkpoint", "final")
@@ -67,50 +68,17 @@ def _groups(run: RunShape) -> list[int]:
 
 
 def pinned_blocks(p: Profile, run: RunShape, accumulation: int) -> list[tuple[int, int]]:
-    """Every block the engine of ``p`` pins through torch's allocator with ``pin_memory`` on (per rank)."""
-    c = run.counts
-    n = max(1, run.world)
-    cd = BYTES[p.precision]
-    if p.engine == "fsdp":  # the trainable shards' gradients, sent to pinned blocks of FSDP's own (post_backward)
-        return [(4 * -(-size // n), k) for size, k, _m in _trainable_sizes(run)]
-    if not (p.is_deepspeed and p.offloads):
-        return []
-    out: list[tuple[int, int]] = []
-    largest = c.largest_adapter if run.lora_r else c.largest_param
-    if p.zero_stage <= 2:  # stage_1_and_2.py: per group its fp32 partition, a 16-bit copy and the fp32 gradients
-        for g in _groups(run):
-            part = -(-g // n)
-            out += [(4 * part, 1), (cd * part, 1), (4 * part, 1)]
-        out.append((cd * largest, 1))  # temp_grad_buffer_for_cpu_offload
-        if accumulation > 1:  # accumulated_grads_in_cpu: one per parameter, in its dtype
-            out += [(cd * size, k) for size, k, _m in _trainable_sizes(run)]
-        return out
-    # stage3.py / partition_parameters.py: every parameter's partition pinned on its own; the trainable ones then
-    # move into one flat block per group, their own blocks staying cached by the allocator; the gradient partitions
-    # in one flat block; an fp32 gradient block per optimizer sub-group
-    if p.offload_param and not p.nvme_param:
-        frozen = [] if run.lora_r == 0 else list(c.tensor_sizes)
-        for size, k, _m in frozen + _trainable_sizes(run):
-            out.append((cd * -(-size // n), k))
-        out += [(cd * -(-g // n), 1) for g in _groups(run)]
-    trainable = c.adapters if run.lora_r else c.total
-    part = -(-trainable // n)
-    out.append((cd * part, 1))  # grad_partitions_flat_buffer (gradient accumulation dtype: the model's)
-    if not p.nvme_optimizer:
-        sub = NVME_SUB_GROUP if p.nvme_optimizer else ZERO3_SUB_GROUP
-        full, rest = divmod(part, sub)
-        out += [(4 * sub, full)] if full else []
-        out += [(4 * rest, 1)] if rest else []
-    return out
+    """Every block the engine of ``p`` pins through torch's allocator with ``pin_memory`` on (per rank), as its
+    family lists them (:meth:`launcher.plan.families.base.Family.pinned_blocks`)."""
+    frozen = [] if run.lora_r == 0 else list(run.counts.tensor_sizes)
+    return family_of(p).pinned_blocks(p, sizes(p, run, accumulation), _trainable_sizes(run), _groups(run), frozen)
 
 
 def pinned_total(p: Profile, run: RunShape, st: dict, accumulation: int) -> int:
-    """Every byte page-locked with ``pin_memory`` on: the pinned allocator's blocks as it holds them, and FSDP2's CPU
-    shards, pinned where they lie (what ``ulimit -l`` must allow)."""
-    shards = _sum(st["cpu"], "weights") if p.engine == "fsdp" else 0
-    if p.engine == "amp" and p.offload_optimizer:  # its one transfer block, registered where it lies (exact bytes)
-        shards = _sum(st["cpu"], "buffers")
-    return held(pinned_blocks(p, run, accumulation)) + shards
+    """Every byte page-locked with ``pin_memory`` on: the pinned allocator's blocks as it holds them, and the CPU
+    states pinned where they lie (FSDP2's shards, the AMP offload's transfer block; what ``ulimit -l`` must
+    allow)."""
+    return held(pinned_blocks(p, run, accumulation)) + family_of(p).pinned_in_place(st["cpu"])
 
 
 def unit_bytes(p: Profile, run: RunShape) -> int:
@@ -135,7 +103,7 @@ def BYTES_OF(dtype) -> int:  # noqa: N802 -- a table lookup named like the table
 def host_phases(p: Profile, run: RunShape, st: dict, train: dict, *, runtime: int, pin: bool,
                 accumulation: int) -> dict[str, dict[str, int]]:
     """{phase: {part: bytes}} for :data:`PHASES`, each summing to the phase's host peak (per rank). ``train``: the
-    training phase's CPU parts (:func:`launcher.plan.planner._plan_profile`'s, the runtime left out); ``st``:
+    training phase's CPU parts (:func:`launcher.plan.setting.plan_profile`'s, the runtime left out); ``st``:
     :func:`launcher.plan.memory.states.model_states`."""
     on_gpu = run.device == "cuda"
     lora = run.lora_r > 0
@@ -146,27 +114,21 @@ def host_phases(p: Profile, run: RunShape, st: dict, train: dict, *, runtime: in
     resident = {k: v for k, v in train.items() if k not in STEP_TRANSIENT}
     if pin and on_gpu and excess > 0:
         resident["pinned_rounding"] = excess
-    sharded = p.engine == "fsdp" or (p.is_deepspeed and p.zero_stage == 3)
+    fam = family_of(p)
 
     # set-up: the weights on the CPU and the engine's first buffers, and one unit made whole
     cpu, device_side = st["cpu"], st["gpu_step"]
     setup: dict[str, int] = {}
-    if p.engine == "fsdp":  # the shards; gradients and Adam's moments come with the first step
-        setup["weights"] = _sum(cpu, "weights")
-    elif p.offload_optimizer and p.engine == "amp":  # the fp32 masters as made, their gradients, the transfer block
-        for part in ("master_weights", "gradients", "buffers"):
-            setup[part] = _sum(cpu, part)
-    elif p.is_deepspeed and p.offloads:  # the partitions and DeepSpeed's buffers, before Adam's moments exist
-        for part in ("weights", "master_weights", "gradients", "buffers"):
-            setup[part] = _sum(cpu, part)
-    if not on_gpu and p.engine != "fsdp":  # a CPU run: the model made where it trains, and ZeRO's fp32 partition
+    for part in fam.setup_parts(p):
+        setup[part] = _sum(cpu, part)
+    if not on_gpu and not fam.units_into_shards:  # a CPU run: the model made where it trains, and ZeRO's fp32 partition
         setup["weights"] = setup.get("weights", 0) + _sum(device_side, "weights")
         if p.is_deepspeed and not p.offloads:
             setup["master_weights"] = _sum(device_side, "master_weights")
     # one unit whole on the CPU as it is made: before it goes to the GPU, or is sharded (FSDP2 copies it into its
     # shards: on a CPU run both copies are in RAM for a moment); a CPU run makes the others where they train
     unit = unit_bytes(p, run)
-    copies = (2 if not on_gpu else 1) if p.engine == "fsdp" else (1 if on_gpu or sharded else 0)
+    copies = (2 if not on_gpu else 1) if fam.units_into_shards else (1 if on_gpu or fam.shards_params else 0)
     setup["unit_being_made"] = unit * copies
     if pin and on_gpu and excess > 0:
         setup["pinned_rounding"] = excess
@@ -186,10 +148,9 @@ def host_phases(p: Profile, run: RunShape, st: dict, train: dict, *, runtime: in
         final["final_weights"] = c.adapters * 4  # gathered (or copied from the GPU) in fp32
     else:
         model = c.total * BYTES_OF(weight_dtype(p.engine, p.precision, False))
-        if p.engine == "fsdp":
-            final["final_weights"] = 0 if n == 1 else model  # gathered on rank 0 (one rank: the shards are it)
-        elif p.is_deepspeed and p.zero_stage == 3:
-            final["final_weights"] = c.total * BYTES[p.precision]  # the consolidated 16-bit state dict, on rank 0
+        gathered = fam.final_gathered(model, c.total, n, BYTES[p.precision])
+        if gathered is not None:
+            final["final_weights"] = gathered
         elif on_gpu:
             final["final_weights"] = min(model, FINAL_SHARD_BYTES)
     out = {"setup": setup, "train": dict(train), "checkpoint": checkpoint, "final": final}
