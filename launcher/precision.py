@@ -27,20 +27,22 @@ def compute_dtype(precision: str) -> torch.dtype:
     return autocast_dtype(precision) or torch.float32
 
 
-def weight_dtype(engine: str, precision: str, adapters: bool) -> torch.dtype:
+def weight_dtype(module_in_compute_dtype: bool, precision: str, adapters: bool) -> torch.dtype:
     """The dtype a run keeps its model's base weights in (the one rule the loader, the export and the memory plan
-    share). DeepSpeed fp16/bf16: 16 bits (it keeps fp32 masters in its optimizer). A LoRA or QLoRA base
-    (``adapters``) on any engine: 16 bits too (it is frozen, and every engine computes in 16 bits anyway; only the
-    adapters train). Otherwise fp32 masters (AMP, and FSDP, which casts to 16 bits per layer as it computes)."""
-    if precision in ("fp16", "bf16") and (engine == "deepspeed" or adapters):
+    share). An engine that casts the module to the compute dtype (``module_in_compute_dtype``, the catalogue's
+    :data:`launcher.config.profiles.MODULE_IN_COMPUTE_DTYPE`: DeepSpeed, which keeps fp32 masters in its optimizer),
+    in fp16/bf16: 16 bits. A LoRA or QLoRA base (``adapters``) on any engine: 16 bits too (it is frozen, and every
+    engine computes in 16 bits anyway; only the adapters train). Otherwise fp32 masters (AMP, and FSDP, which casts
+    to 16 bits per layer as it computes)."""
+    if precision in ("fp16", "bf16") and (module_in_compute_dtype or adapters):
         return DTYPES[precision]
     return torch.float32
 
 
-def trainable_dtype(engine: str, precision: str) -> torch.dtype:
+def trainable_dtype(module_in_compute_dtype: bool, precision: str) -> torch.dtype:
     """The dtype of the weights that train: fp32 masters for the torch engines (AMP, FSDP), the compute dtype for
-    DeepSpeed (its optimizer keeps the fp32 master)."""
-    return DTYPES[precision] if engine == "deepspeed" else torch.float32
+    an engine that casts the module (DeepSpeed: its optimizer keeps the fp32 master)."""
+    return DTYPES[precision] if module_in_compute_dtype else torch.float32
 
 
 def supports_bf16(capability: tuple[int, int]) -> bool:

@@ -10,7 +10,7 @@ import torch
 
 from launcher.config.checks import batch_problem
 from launcher.config.load import load_config, with_overrides
-from launcher.config.profiles import PROFILES
+from launcher.config.profiles import MODULE_IN_COMPUTE_DTYPE, PROFILES
 from launcher.config.schema import AUTO, ConfigError, to_dict
 from launcher.machine.hardware import GPUInfo, Hardware
 from launcher.plan import availability
@@ -89,7 +89,7 @@ def test_the_ladder_halves_the_micro_batch_then_checkpoints_then_offloads_keepin
     ("deepspeed", "fp32", False, torch.float32),
 ])
 def test_the_weights_dtype_rule(engine, precision, adapters, dtype):
-    assert weight_dtype(engine, precision, adapters) == dtype
+    assert weight_dtype(MODULE_IN_COMPUTE_DTYPE[engine], precision, adapters) == dtype
 
 
 def test_the_batch_equation():

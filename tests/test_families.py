@@ -15,11 +15,10 @@ PACKAGE = os.path.join(ROOT, "launcher")
 ALLOWED = (os.path.join("plan", "families") + os.sep, "engines" + os.sep, os.path.join("config", "profiles.py"))
 ENGINE_NAMES = {"amp", "deepspeed", "fsdp"} | {f.name for f in FAMILIES}
 
-# The branches on engine names left outside ALLOWED: 64 before the cost model asked the families, 5 now (the
-# checks of the user's engine= setting in config/checks.py, and the weight dtypes of launcher/precision.py, which
-# the loader, the export and the plan share). This number only goes down: a new branch on an engine name belongs in
-# a family (launcher/plan/families/) or the profile catalogue.
-MAX_ENGINE_BRANCHES = 5
+# The branches on engine names outside ALLOWED: 64 before the cost model asked the families and the layers below
+# the planner read the catalogue's engine tables (launcher/config/profiles.py), none now. A new branch on an engine
+# name belongs in a family (launcher/plan/families/) or in those tables.
+MAX_ENGINE_BRANCHES = 0
 
 
 def _strings(node: ast.AST) -> set:

@@ -13,7 +13,7 @@ import math
 import os
 import re
 
-from launcher.config.profiles import PROFILES
+from launcher.config.profiles import PROFILES, TAKES_BITSANDBYTES, USER_JSON_ENGINE
 from launcher.config.schema import AUTO, CHAT_TEMPLATES, Config, ConfigError, DataConfig
 from launcher.machine import dist
 
@@ -116,10 +116,10 @@ def _engine_problems(cfg: Config) -> list[str]:
     if cfg.model.quantize != "none" and cfg.lora.r == 0:
         problems.append(f"model.quantize: got {cfg.model.quantize!r} with lora.r=0; rule: quantized base weights "
                         "cannot be trained, only adapters on top (QLoRA); fix: lora.r=16, or model.quantize=none")
-    if cfg.model.quantize != "none" and cfg.engine in ("deepspeed", "fsdp"):
+    if cfg.model.quantize != "none" and not TAKES_BITSANDBYTES.get(cfg.engine, True):
         problems.append(f"model.quantize: got {cfg.model.quantize!r} with engine={cfg.engine}; rule: bitsandbytes "
                         "quantized weights train on the AMP path only; fix: engine=auto or engine=amp")
-    if t.optimizer in ("adamw8bit", "paged_adamw8bit") and cfg.engine in ("deepspeed", "fsdp"):
+    if t.optimizer in ("adamw8bit", "paged_adamw8bit") and not TAKES_BITSANDBYTES.get(cfg.engine, True):
         problems.append(f"train.optimizer: got {t.optimizer!r} with engine={cfg.engine}; rule: 8-bit AdamW runs on the "
                         "AMP path only; fix: engine=auto or engine=amp, or train.optimizer=adamw")
     if cfg.profile in PROFILES:  # an unknown name is reported by names_and_paths
@@ -169,7 +169,7 @@ def _file_problems(cfg: Config) -> list[str]:
             problems.append(f"profile: got {cfg.profile!r} with deepspeed_config={cfg.deepspeed_config}; rule: the "
                             "DeepSpeed JSON is the run's profile (a custom row), so profile must be auto; fix: "
                             f"profile=auto, or deepspeed_config=\"\" to run {cfg.profile}")
-        if cfg.engine not in (AUTO, "deepspeed"):
+        if cfg.engine not in (AUTO, USER_JSON_ENGINE):
             problems.append(f"engine: got {cfg.engine!r} with deepspeed_config={cfg.deepspeed_config}; rule: a DeepSpeed "
                             "config runs on the DeepSpeed engine; fix: engine=auto or engine=deepspeed, or "
                             "deepspeed_config=\"\"")

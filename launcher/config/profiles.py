@@ -54,6 +54,21 @@ class Profile:
     def is_deepspeed(self) -> bool:
         return self.engine == "deepspeed"
 
+    @property
+    def module_in_compute_dtype(self) -> bool:
+        return MODULE_IN_COMPUTE_DTYPE[self.engine]
+
+
+# What each engine is, for the layers below the planner (the config's checks, the weight dtypes of
+# launcher.precision); the cost model asks an engine family instead (launcher/plan/families/).
+# DeepSpeed casts the module to the compute dtype and keeps the fp32 master in its optimizer; AMP and FSDP2 keep
+# fp32 masters in the module (launcher/engines/).
+MODULE_IN_COMPUTE_DTYPE = {"amp": False, "deepspeed": True, "fsdp": False}
+# bitsandbytes' quantized layers and 8-bit optimizers run on the AMP path only (launcher/engines/amp.py)
+TAKES_BITSANDBYTES = {"amp": True, "deepspeed": False, "fsdp": False}
+# a user's deepspeed_config becomes a custom profile of this engine (launcher/config/user_ds_config.py)
+USER_JSON_ENGINE = "deepspeed"
+
 
 def _catalogue() -> dict[str, Profile]:
     out: dict[str, Profile] = {}

@@ -51,7 +51,7 @@ from collections.abc import KeysView
 from dataclasses import dataclass
 
 from launcher.config.checks import read_deepspeed_json
-from launcher.config.profiles import AUTO_PATHS, Profile, RunValues, fill_auto, find_auto
+from launcher.config.profiles import AUTO_PATHS, USER_JSON_ENGINE, Profile, RunValues, fill_auto, find_auto
 from launcher.config.schema import AUTO, Config, ConfigError
 from launcher.machine import dist
 from launcher.precision import deepspeed_runs_fp16
@@ -395,7 +395,7 @@ def profile_of(raw: dict, precision: str) -> Profile:
     prefetch = None if zero.get("stage3_prefetch_bucket_size") == AUTO else int(model.prefetch_bucket_size)
     name = f"custom-zero{stage}-{precision}" + ("-offload-all" if par else "-offload-opt" if opt else "")
     rank = 4 if par else 2 if opt else 1  # the catalogue's speed ranks of the same layouts
-    return Profile(name, "deepspeed", precision, zero_stage=int(stage), offload_optimizer=opt, offload_param=par,
+    return Profile(name, USER_JSON_ENGINE, precision, zero_stage=int(stage), offload_optimizer=opt, offload_param=par,
                    speed_rank=rank, gpu_holds="as the JSON's zero_optimization says",
                    cpu_holds="offloaded states" if opt or par else "nothing",
                    reduce_bucket_size=reduce, prefetch_bucket_size=prefetch,

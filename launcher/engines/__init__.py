@@ -37,8 +37,9 @@ def placement(spec, adapters: bool) -> Placement:
     :func:`launcher.precision.weight_dtype`, what trains in :func:`launcher.precision.trainable_dtype`."""
     on_cpu = spec.engine == "fsdp" or (spec.engine == "deepspeed" and spec.profile.zero_stage == 3)
     on_cpu = on_cpu or (spec.engine == "amp" and spec.profile.offload_optimizer)  # the fp32 masters stay there
-    return Placement(torch.device("cpu") if on_cpu else spec.device, weight_dtype(spec.engine, spec.precision, adapters),
-                     trainable_dtype(spec.engine, spec.precision))
+    cast = spec.profile.module_in_compute_dtype
+    return Placement(torch.device("cpu") if on_cpu else spec.device, weight_dtype(cast, spec.precision, adapters),
+                     trainable_dtype(cast, spec.precision))
 
 
 def build(cfg, spec, model, hw: Hardware, hidden_size: int, lr: float, materializer=None, objective=None):

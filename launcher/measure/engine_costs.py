@@ -76,7 +76,7 @@ def _time_engine(p, cfg, hw, device: torch.device, depth: int, s: Sizes, hidden:
 
     spec = RunSpec(device=device, precision=p.precision, profile=p, micro_batch=1, accumulation=2, world=1,
                    checkpointing=False)
-    model = tiny_model(depth, weight_dtype(p.engine, p.precision, cfg.lora.r > 0), hidden=hidden)
+    model = tiny_model(depth, weight_dtype(p.module_in_compute_dtype, p.precision, cfg.lora.r > 0), hidden=hidden)
     n = sum(q.numel() for q in model.parameters())
     t = time.perf_counter()
     engine, _ = engines.build(cfg, spec, model, hw, hidden or TINY["hidden_size"], LR)

@@ -23,6 +23,7 @@ import torch
 
 from launcher.config.checks import folder_problem
 from launcher.config.load import load_recorded
+from launcher.config.profiles import MODULE_IN_COMPUTE_DTYPE
 from launcher.config.schema import ConfigError
 from launcher.model import hfconfig
 from launcher.model.build import load_tokenizer, make_model, model_config
@@ -88,7 +89,8 @@ def _base_name(cfg, run_dir: str, final: str, base: str | None) -> str:
 
 def _base_dtype(cfg, summary: dict) -> torch.dtype:
     if cfg.model.name in PRESETS:  # rebuilt from the seed in the dtype the run built it in
-        return weight_dtype(summary.get("engine", "amp"), summary.get("precision", "fp32"), cfg.lora.r > 0)
+        cast = MODULE_IN_COMPUTE_DTYPE.get(summary.get("engine"), False)
+        return weight_dtype(cast, summary.get("precision", "fp32"), cfg.lora.r > 0)
     dt = getattr(model_config(cfg), "dtype", None) or getattr(model_config(cfg), "torch_dtype", None)
     if isinstance(dt, str):
         dt = getattr(torch, dt, None)

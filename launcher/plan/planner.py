@@ -230,7 +230,8 @@ def _activation_summary(run: RunShape, rows: list[ProfilePlan], avail: Availabil
     for r in rows:
         if r.lower_bound:
             continue
-        fam = family_of(avail.profile(r.profile)).trace_family(avail.profile(r.profile))
+        p = avail.profile(r.profile)
+        fam = family_of(p).trace_family(p)
         key = f"{fam}@{r.micro_batch}"
         if key in out:
             continue

@@ -39,7 +39,7 @@ def _trace_settings(run: RunShape, family: str, micro_batch: int) -> TraceSettin
     elif family == "16bit":
         pdt, adt, ac = cd, cd, None
     else:  # amp: fp32 master weights under autocast; a LoRA base is frozen in 16 bits, adapters fp32
-        pdt, adt, ac = (cd if weight_dtype("amp", run.precision, run.lora_r > 0) != torch.float32 else torch.float32,
+        pdt, adt, ac = (cd if weight_dtype(False, run.precision, run.lora_r > 0) != torch.float32 else torch.float32,
                         torch.float32, cd)
     kernel = _attention_kernel(run, cd if ac is not None or family == "16bit" else torch.float32)
     # a preference pair is two rows (chosen and rejected) of one forward: traced as a micro-batch of twice the rows

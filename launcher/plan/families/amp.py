@@ -21,7 +21,7 @@ class Amp(Family):
 
     def states(self, p: Profile, s: Sizes) -> States:
         c, st = s.counts, States()
-        wb = weight_dtype(p.engine, p.precision, s.lora).itemsize
+        wb = weight_dtype(p.module_in_compute_dtype, p.precision, s.lora).itemsize
         w = s.frozen_bytes(wb) + 4 * c.adapters if s.lora else wb * s.base
         st.add("fb", "weights", w)
         st.add("fb", "optimizer_states", s.opt * s.trainable)

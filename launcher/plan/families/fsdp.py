@@ -39,7 +39,7 @@ class Fsdp(Family):
         largest_trainable_unit = c.adapters_per_layer if s.lora else max(units)
         st.add("fb", "gradients", largest_trainable_unit * (cd + 4))
         # a LoRA base in 16 bits (launcher.precision.weight_dtype), the trainable weights fp32 masters
-        params = (s.frozen_bytes(weight_dtype(p.engine, p.precision, True).itemsize) + 4 * c.adapters if s.lora
+        params = (s.frozen_bytes(weight_dtype(p.module_in_compute_dtype, p.precision, True).itemsize) + 4 * c.adapters if s.lora
                   else 4 * s.base)
         st.add("cpu", "weights", params / n)
         st.add("cpu", "gradients", 4 * s.trainable / n)

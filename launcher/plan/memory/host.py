@@ -86,8 +86,8 @@ def unit_bytes(p: Profile, run: RunShape) -> int:
     made in (:func:`launcher.engines.placement`)."""
     c = run.counts
     lora = run.lora_r > 0
-    frozen = BYTES_OF(weight_dtype(p.engine, p.precision, lora))
-    train = BYTES_OF(trainable_dtype(p.engine, p.precision))
+    frozen = BYTES_OF(weight_dtype(p.module_in_compute_dtype, p.precision, lora))
+    train = BYTES_OF(trainable_dtype(p.module_in_compute_dtype, p.precision))
     if lora:
         layer = c.per_layer * frozen + c.adapters_per_layer * train
         if run.quantize in QUANT_BYTES_PER_PARAM:  # made in 16 bits, then quantised layer by layer
@@ -147,7 +147,7 @@ def host_phases(p: Profile, run: RunShape, st: dict, train: dict, *, runtime: in
     if lora:
         final["final_weights"] = c.adapters * 4  # gathered (or copied from the GPU) in fp32
     else:
-        model = c.total * BYTES_OF(weight_dtype(p.engine, p.precision, False))
+        model = c.total * BYTES_OF(weight_dtype(p.module_in_compute_dtype, p.precision, False))
         gathered = fam.final_gathered(model, c.total, n, BYTES[p.precision])
         if gathered is not None:
             final["final_weights"] = gathered
@@ -165,7 +165,7 @@ def export_bytes(p: Profile, run: RunShape, runtime_cpu: int) -> dict[str, int]:
     final/ is copied)."""
     if run.lora_r <= 0:
         return {}
-    base = run.counts.total * BYTES_OF(weight_dtype(p.engine, p.precision, True))
+    base = run.counts.total * BYTES_OF(weight_dtype(p.module_in_compute_dtype, p.precision, True))
     return {"runtime": runtime_cpu, "weights": int(base), "adapter": int(run.counts.adapters * 4)}
 
 

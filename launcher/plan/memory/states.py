@@ -94,7 +94,7 @@ def files_on_disk(p: Profile, counts: ParamCounts, lora_r: int, optimizer: str =
     ``final/`` is the adapter (LoRA) or the whole model, in the dtype the engine keeps the weights in."""
     trainable = counts.adapters if lora_r > 0 else counts.total
     opt = OPTIMIZER_BYTES_PER_PARAM.get(optimizer, 8)
-    weights = weight_dtype(p.engine, p.precision, False).itemsize
+    weights = weight_dtype(p.module_in_compute_dtype, p.precision, False).itemsize
     if family_of(p).module_in_checkpoint:
         ckpt = trainable * (weights + 4 + opt)
     else:
