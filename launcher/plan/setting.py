@@ -19,6 +19,7 @@ from launcher.config.schema import AUTO
 from launcher.machine.speeds import Machine
 from launcher.plan import steptime
 from launcher.plan.families import family_of
+from launcher.plan.families.base import add_part
 from launcher.plan.memory.estimate import ActivationEstimate
 from launcher.plan.memory.host import PHASES as HOST_PHASES
 from launcher.plan.memory.host import export_bytes, host_phases, pinned_total
@@ -27,7 +28,6 @@ from launcher.plan.memory.states import (
     CPU_RUNTIME_BYTES,
     CUDA_CONTEXT_BYTES,
     RunShape,
-    add_part,
     files_on_disk,
     model_states,
 )

@@ -40,6 +40,12 @@ class Sizes:
         return self.base * dtype_bytes
 
 
+def add_part(d: dict, part: str, n: float):
+    """Add ``n`` bytes of ``part`` to the part dict ``d``, rounded; nothing for zero."""
+    if n:
+        d[part] = d.get(part, 0) + int(round(n))
+
+
 @dataclass
 class States:
     """Model-state bytes by part: on the compute device in forward/backward (``fb``) and in the step, on the CPU,
@@ -52,9 +58,7 @@ class States:
 
     def add(self, where: str, part: str, n: float):
         """Add ``n`` bytes of ``part`` to ``where`` ('fb', 'step', 'cpu', 'disk'), rounded; nothing for zero."""
-        d = getattr(self, where)
-        if n:
-            d[part] = d.get(part, 0) + int(round(n))
+        add_part(getattr(self, where), part, n)
 
     def both(self, part: str, n: float):
         """Add ``n`` bytes of ``part`` to the device in forward/backward and in the step."""

@@ -68,10 +68,9 @@ class Zero3(Family):
             out += [(cd * -(-g // n), 1) for g in groups]
         part = -(-s.trainable // n)
         out.append((cd * part, 1))  # grad_partitions_flat_buffer (gradient accumulation dtype: the model's)
-        if not p.nvme_optimizer:
-            sub = NVME_SUB_GROUP if p.nvme_optimizer else ZERO3_SUB_GROUP
-            full, rest = divmod(part, sub)
-            out += [(4 * sub, full)] if full else []
+        if not p.nvme_optimizer:  # (NVMe's fp32 sub-groups go through its swap buffers instead)
+            full, rest = divmod(part, ZERO3_SUB_GROUP)
+            out += [(4 * ZERO3_SUB_GROUP, full)] if full else []
             out += [(4 * rest, 1)] if rest else []
         return out
 

@@ -102,11 +102,6 @@ def files_on_disk(p: Profile, counts: ParamCounts, lora_r: int, optimizer: str =
     return {"checkpoint": int(ckpt + CHECKPOINT_EXTRA_BYTES), "final": int(trainable * weights + FINAL_EXTRA_BYTES)}
 
 
-def add_part(d: dict, part: str, n: float):
-    if n:
-        d[part] = d.get(part, 0) + int(round(n))
-
-
 def sizes(p: Profile, run: RunShape, accumulation: int) -> Sizes:
     """The sizes the engine families answer from, for profile ``p`` on ``run``."""
     c = run.counts
