@@ -60,3 +60,23 @@ def test_every_profile_resolves_and_deepspeed_accepts_it(p):
     assert ds.zero_config.reduce_bucket_size == 4096 * 4096
     assert bool(ds.zero_config.offload_optimizer) == p.offload_optimizer
     assert bool(ds.zero_config.offload_param) == p.offload_param
+    if p.zero_stage == 3:  # not known here (no model): DeepSpeed's own bound on what stays gathered
+        assert ds.zero_config.max_live_parameters == 1_000_000_000 and ds.zero_config.max_reuse_distance == 0
+
+
+def test_zero3_keeps_gathered_what_the_plan_counts():
+    """ZeRO-3's stage3_max_live_parameters is the largest module plus one prefetch bucket and its reuse distance 0
+    (the plan counts the one and prices the other's second gather), for the catalogue and a user's "auto" alike;
+    an explicit value is the user's."""
+    p = profiles.PROFILES["zero3-bf16-offload-all"]
+    kw = dict(micro_batch=1, accumulation=1, world=2, grad_clip=1.0, lr=1e-4, betas=(0.9, 0.95), eps=1e-8,
+              weight_decay=0.0, hidden_size=2048, pin_memory=False)
+    zero = resolve_ds_config(p, largest_module=262_668_288, **kw)["zero_optimization"]
+    assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 2048 * 2048)
+    assert zero["stage3_max_live_parameters"] == 262_668_288 + zero["stage3_prefetch_bucket_size"]
+    assert zero["stage3_max_reuse_distance"] == 0
+    values = profiles.RunValues("bf16", 1, 1, 2, 1.0, 1e-4, (0.9, 0.95), 1e-8, 0.0, 2048, False, largest_module=1000)
+    user = {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 500, "stage3_max_live_parameters": "auto",
+                                  "stage3_max_reuse_distance": 7}}
+    zero = profiles.fill_auto(user, values)[0]["zero_optimization"]
+    assert zero["stage3_max_live_parameters"] == 1500 and zero["stage3_max_reuse_distance"] == 7

@@ -147,7 +147,7 @@ def ds_config_template(p: Profile) -> dict:
         zero["reduce_scatter"] = True
     if p.zero_stage == 3:
         zero.update({"stage3_prefetch_bucket_size": AUTO, "stage3_param_persistence_threshold": AUTO,
-                     "stage3_max_live_parameters": 1_000_000_000, "stage3_max_reuse_distance": 1_000_000_000,
+                     "stage3_max_live_parameters": AUTO, "stage3_max_reuse_distance": AUTO,
                      "stage3_gather_16bit_weights_on_model_save": True})
     if p.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": AUTO}
@@ -186,6 +186,22 @@ def ds_config_template(p: Profile) -> dict:
 
 
 DS_DEFAULT_BUCKET = 500_000_000  # DeepSpeed's own reduce_bucket_size and allgather_bucket_size (elements)
+DS_DEFAULT_LIVE = 1_000_000_000  # DeepSpeed's own stage3_max_live_parameters and stage3_max_reuse_distance
+DS_DEFAULT_PREFETCH = 50_000_000  # DeepSpeed's own stage3_prefetch_bucket_size
+
+
+def zero3_residency(prefetch: int, largest_module: int) -> dict:
+    """How many gathered parameters ZeRO-3 keeps, in elements, as the plan counts and prices them
+    (:class:`launcher.plan.families.zero3.Zero3`): the module that computes plus one prefetch bucket
+    (``stage3_max_live_parameters``, which caps DeepSpeed's prefetching), and a module's parameters released once it
+    ran (``stage3_max_reuse_distance`` 0: the backward gathers them again, which the plan prices as a second move).
+    DeepSpeed's defaults (1e9 each) let a billion elements stay gathered: two CPU ranks of llama-1b LoRA on
+    ``zero3-bf16-offload-all`` held 3997 and 4002 MiB each with them, 2275 and 2264 with these, against 2005 planned
+    (``scripts/validate_ranks.py``: bench/results/2026-12-05-cpu-epyc/two-ranks-llama-1b-lora-zero3-heap-4mib/,
+    2026-12-06-cpu-epyc/two-ranks-llama-1b-lora/). ``largest_module`` 0: DeepSpeed's bound (not known yet,
+    or a mixture of experts: launcher/engines/__init__.py::_zero3_bound)."""
+    live = largest_module + prefetch if largest_module else DS_DEFAULT_LIVE
+    return {"stage3_max_live_parameters": live, "stage3_max_reuse_distance": 0}
 
 
 def bucket_sizes(hidden_size: int, world: int = 1, trainable: int | None = None) -> dict:
@@ -224,6 +240,7 @@ class RunValues:
     peak_lr: float | None = None  # train.lr, what an explicit optimizer lr is compared with (default: lr)
     nvme_path: str = ""  # memory.nvme_path (ZeRO-Infinity profiles)
     largest_param: int = 0  # elements of the largest parameter (the parameter swap buffers must hold it)
+    largest_module: int = 0  # most direct parameters of one module (what ZeRO-3 gathers at once)
 
 
 # fp16 dynamic loss scaling: DeepSpeed key -> loss_scale.* key (loss_scale 0 = dynamic)
@@ -235,7 +252,8 @@ AUTO_PATHS = frozenset(
      "fp16.enabled", "fp16.loss_scale", "bf16.enabled"]
     + [f"optimizer.params.{k}" for k in ("lr", "betas", "eps", "weight_decay")] + [f"fp16.{k}" for k, _ in _FP16_SCALING]
     + [f"zero_optimization.{k}" for k in ("reduce_bucket_size", "allgather_bucket_size",
-                                          "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")]
+                                          "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+                                          "stage3_max_live_parameters", "stage3_max_reuse_distance")]
     + [f"zero_optimization.{k}.pin_memory" for k in ("offload_optimizer", "offload_param")]
     + [f"zero_optimization.{k}.nvme_path" for k in ("offload_optimizer", "offload_param")]
     + ["zero_optimization.offload_param.buffer_size"])
@@ -314,6 +332,11 @@ def fill_auto(template: dict, v: RunValues, source: str = "DeepSpeed config") ->
         for key, want in bucket_sizes(v.hidden_size).items():
             if zero.get(key) == AUTO:
                 zero[key] = want
+        prefetch = zero.get("stage3_prefetch_bucket_size", DS_DEFAULT_PREFETCH)
+        prefetch = prefetch if isinstance(prefetch, (int, float)) and not isinstance(prefetch, bool) else 0
+        for key, want in zero3_residency(int(prefetch), v.largest_module).items():
+            if zero.get(key) == AUTO:
+                zero[key] = want
         for key in ("offload_optimizer", "offload_param"):
             if isinstance(zero.get(key), dict) and zero[key].get("pin_memory", AUTO) == AUTO:  # DeepSpeed: True
                 zero[key]["pin_memory"] = bool(v.pin_memory)
@@ -328,7 +351,7 @@ def fill_auto(template: dict, v: RunValues, source: str = "DeepSpeed config") ->
 def resolve_ds_config(p: Profile, *, micro_batch: int, accumulation: int, world: int, grad_clip: float, lr: float,
                       betas: tuple[float, float], eps: float, weight_decay: float, hidden_size: int,
                       pin_memory: bool, loss_scale: dict | None = None, trainable: int | None = None,
-                      nvme_path: str = "", largest_param: int = 0) -> dict:
+                      nvme_path: str = "", largest_param: int = 0, largest_module: int = 0) -> dict:
     """Fill every ``"auto"`` of the profile's config. Raises if one would survive. Bucket sizes: the
     profile's own (the planner's choice) or :func:`bucket_sizes` for ``world`` ranks and ``trainable``
     parameters."""
@@ -345,7 +368,8 @@ def resolve_ds_config(p: Profile, *, micro_batch: int, accumulation: int, world:
     if p.precision == "fp16":  # the catalogue's fp16 numbers are vramfit's loss_scale.* settings
         template["fp16"].update({ds: scaling[ours] for ds, ours in _FP16_SCALING})
     v = RunValues(p.precision, micro_batch, accumulation, world, grad_clip, lr, tuple(betas), eps, weight_decay,
-                  hidden_size, pin_memory, scaling, nvme_path=nvme_path, largest_param=largest_param)
+                  hidden_size, pin_memory, scaling, nvme_path=nvme_path, largest_param=largest_param,
+                  largest_module=largest_module)
     cfg, problems = fill_auto(template, v, f"profile {p.name}")
     left = find_auto(cfg)
     if problems or left:

@@ -436,10 +436,11 @@ def _micro_batch(raw: dict, cfg: Config) -> int | None:
 
 
 def run_values(cfg: Config, precision: str, micro_batch: int, accumulation: int, world: int, hidden_size: int,
-               pin_memory: bool, lr: float) -> RunValues:
+               pin_memory: bool, lr: float, largest_module: int = 0) -> RunValues:
     t = cfg.train
     return RunValues(precision, micro_batch, accumulation, world, t.grad_clip, lr, (t.beta1, t.beta2), t.eps,
-                     t.weight_decay, hidden_size, pin_memory, dict(vars(cfg.loss_scale)), peak_lr=t.lr)
+                     t.weight_decay, hidden_size, pin_memory, dict(vars(cfg.loss_scale)), peak_lr=t.lr,
+                     largest_module=largest_module)
 
 
 def resolve(user: UserDsConfig, values: RunValues) -> dict:

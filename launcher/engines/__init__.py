@@ -22,6 +22,8 @@ from launcher.machine.hardware import Hardware, pin_memory_ok
 from launcher.model.build import param_groups
 from launcher.model.loss import liger_available
 from launcher.model.materialize import Placement
+from launcher.model.structure import most_module_params
+from launcher.model.targets import expert_parameters
 from launcher.precision import BYTES, trainable_dtype, weight_dtype
 
 
@@ -64,7 +66,8 @@ def build(cfg, spec, model, hw: Hardware, hidden_size: int, lr: float, materiali
         swap = ""  # a swap folder of vramfit's (catalogue NVMe profiles); a user's deepspeed_config names its own
         if spec.user_ds is not None:  # deepspeed_config: the user's JSON, its "auto" filled like a profile's
             ds_config = user_ds_config.resolve(spec.user_ds, user_ds_config.run_values(
-                cfg, spec.precision, spec.micro_batch, spec.accumulation, spec.world, hidden_size, pin, lr))
+                cfg, spec.precision, spec.micro_batch, spec.accumulation, spec.world, hidden_size, pin, lr,
+                largest_module=_zero3_bound(model)))
             zero = ds_config.get("zero_optimization", {})
             for k in ("offload_optimizer", "offload_param"):
                 asked = spec.user_ds.template.get("zero_optimization", {}).get(k, {}).get("pin_memory")
@@ -78,7 +81,8 @@ def build(cfg, spec, model, hw: Hardware, hidden_size: int, lr: float, materiali
                                           weight_decay=t.weight_decay, hidden_size=hidden_size, pin_memory=pin,
                                           loss_scale=vars(cfg.loss_scale), trainable=n_train,
                                           nvme_path=swap,
-                                          largest_param=max((p.numel() for p in model.parameters()), default=0))
+                                          largest_param=max((p.numel() for p in model.parameters()), default=0),
+                                          largest_module=_zero3_bound(model))
         # No optimizer section: torch's fused AdamW as DeepSpeed's client optimizer (no op to compile)
         # made once the weights are (ZeRO-3 makes them as it partitions them): the groups hold the made parameters
         def groups_of() -> list[dict]:
@@ -139,3 +143,11 @@ def make_levers(spec, hw: Hardware) -> Levers:
         logger.info("loss: " + ("Liger's fused linear cross-entropy" if liger else "chunked head + cross-entropy (torch)"))
     return Levers(chunked_loss=spec.chunked_loss, liger=liger, offload_activations=spec.offload_activations,
                   pin_memory=pin, checkpointing=spec.checkpointing)
+
+
+def _zero3_bound(model: torch.nn.Module) -> int:
+    """The module size ZeRO-3's gathered parameters are bounded by (launcher.config.profiles.zero3_residency), or
+    0 for a mixture of experts, which keeps DeepSpeed's own bound: the experts a batch routes to change DeepSpeed's
+    module order from the one it recorded, which it follows only while it prefetches without a bound ("tracing
+    error at step N" on an OLMoE LoRA with the bound, also with its blocks made ZeRO-3 leaves)."""
+    return 0 if expert_parameters(model) else most_module_params(model)

@@ -16,6 +16,11 @@ def base_model(model: nn.Module) -> nn.Module:
     return get() if callable(get) else model
 
 
+def most_module_params(model: nn.Module) -> int:
+    """The most parameters one module holds directly (elements): what ZeRO-3 gathers at once."""
+    return max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The ``nn.ModuleList`` of decoder layers: the one whose length is ``config.num_hidden_layers``."""
     base = base_model(model)

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from launcher.model.structure import decoder_layers, num_layers
+from launcher.model.structure import decoder_layers, most_module_params, num_layers
 from launcher.model.targets import ALL_LINEAR, adapted, adapted_parameters, is_linear, linear_in_out, parameter_targets
 
 
@@ -167,7 +167,7 @@ def _count_one(model: nn.Module, lora_r: int, lora_targets) -> dict:
             adapter_tensors += 2
             sizes.update([(lora_r * e * a, True), (lora_r * e * b, True)])
             largest_adapter = max(largest_adapter, lora_r * e * max(a, b))
-    largest_module = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    largest_module = most_module_params(model)
     threshold = 10 * int(getattr(model.config, "hidden_size", 0) or 0)
     return dict(total=total, embeddings=n(emb_ids), layers=n(layer_ids), head=n(head_ids),
                 other=total - n(emb_ids) - n(layer_ids) - n(head_ids), linear_weights=linear,
