@@ -147,8 +147,9 @@ def test_a_checkpoint_on_another_number_of_ranks_keeps_the_global_batch_or_is_re
 
 
 def test_the_heap_gives_freed_memory_back_with_several_ranks(monkeypatch):
-    """memory.mmap_threshold_mib=auto fixes glibc's mmap threshold at 4 MiB with several ranks and leaves glibc's
-    own to one; a number is taken as it is; MALLOC_MMAP_THRESHOLD_ in the environment is the user's and wins."""
+    """memory.mmap_threshold_mib=auto fixes glibc's mmap threshold at 4 MiB with several ranks, a tight host budget
+    or a sharded engine computing on the CPU, and leaves glibc's own otherwise; a number is taken as it is;
+    MALLOC_MMAP_THRESHOLD_ in the environment is the user's and wins."""
     from launcher.machine import heap
 
     assert heap.threshold_mib("auto", 1) == 0 and heap.threshold_mib("auto", 2) == 4.0
@@ -156,6 +157,9 @@ def test_the_heap_gives_freed_memory_back_with_several_ranks(monkeypatch):
     # one process whose planned host peak leaves the heap little room: fixed too
     assert heap.threshold_mib("auto", 1, 0.8) == 4.0 and heap.threshold_mib("auto", 1, 0.5) == 0.0
     assert heap.threshold_mib(0, 1, 0.99) == 0.0  # the user's 0 stands
+    # the CPU computes the step of an engine that gathers each layer at every step (FSDP2, ZeRO-3): fixed too
+    assert heap.threshold_mib("auto", 1, 0.5, gathers_on_cpu=True) == 4.0
+    assert heap.threshold_mib(0, 1, 0.5, gathers_on_cpu=True) == 0.0
     assert heap.fix_mmap_threshold(0) == "glibc's default mmap threshold"
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     assert heap.fix_mmap_threshold(4) == "MALLOC_MMAP_THRESHOLD_=65536 from the environment"

@@ -268,6 +268,8 @@ def test_fsdp_trains_with_deepspeed_unimportable(tmp_path, no_deepspeed_path):
     assert s["engine"] == "fsdp" and s["status"] == "completed" and s["steps"] == 2
     assert s["optimizer"] == "torch.optim.AdamW(fused=True) on cpu"
     assert "profile fsdp-bf16-offload as asked" in s["reasons"]
+    # the CPU computes a step that gathers each layer: big blocks go back to the system (launcher/machine/heap.py)
+    assert "heap: CPU blocks of 4 MiB and more go back" in r.stderr and "gathers each layer's" in r.stderr, r.stderr
 
 
 def test_oom_ladder_carries_the_fp16_loss_scale(runs):

@@ -1,4 +1,4 @@
-"""A training process's heap: with several ranks on one host, freed CPU tensors go back to the system.
+"""A training process's heap: where glibc would keep much of what is freed, freed CPU blocks go back to the system.
 
 torch allocates CPU tensors with the C library's allocator. glibc serves a request of at least its mmap
 threshold with pages of its own, given back when freed, and a smaller one from its heaps, which keep what is
@@ -11,19 +11,23 @@ what a process holds then depends on its history, not on the moment the plan cou
 per-rank/): FSDP2 and ZeRO-3 offload peaked 17-25% above their plans per rank; with the threshold fixed at 4 MiB
 (per-rank-heap/ there) within 1-15% of them.
 
-One process keeps the same way: llama-1b LoRA on ``fsdp-bf16-offload`` on the CPU held 4.2 GiB where its plan
-said 3.25, and 3.05 with the threshold fixed (``scripts/validate_host_memory.py``, bench/results/
-2026-12-05-cpu-epyc/host-memory/).
-
 ``memory.mmap_threshold_mib`` fixes it (glibc's ``mallopt(M_MMAP_THRESHOLD)``, what its
 ``MALLOC_MMAP_THRESHOLD_`` variable does before a process starts; fixing it also stops its rise). ``auto``
-fixes it at 4 MiB when several ranks train, where each rank's heap is held once per rank on a host's RAM, and
-for a single process whose planned host peak takes more than :data:`TIGHT_SHARE` of the host budget (what the
-heap would keep on top may not fit); otherwise it leaves glibc's default: blocks of 4 MiB and more then come
-from fresh pages at each step, which costs time where the CPU computes the step (``scripts/bench_heap.py``, one
-rank: FSDP2's step 18% and 37% longer in two rounds; the other engines' differences were within this 2-core
-box's noise). 0 leaves glibc's default; a ``MALLOC_MMAP_THRESHOLD_`` in the environment is the user's choice and
-wins. Nothing is done where the C library is not glibc.
+fixes it at 4 MiB where the heap would keep most:
+- several ranks train: each rank's heap is held once per rank on a host's RAM;
+- the CPU computes the step of an engine that gathers each layer's weights and frees them again at every step
+  (FSDP2, ZeRO-3): the gathered layers, the activations and the kernels' scratch all come from glibc, and what
+  its heap kept varied from run to run of the same job (llama-1b LoRA on ``fsdp-bf16-offload``: 4.14 and 4.87
+  GiB against a plan of 3.25, bench/results/2026-12-05-cpu-epyc/host-memory/ and 2026-12-06-cpu-epyc/heap-sharded/;
+  3.21 with the threshold fixed, 2026-12-06-cpu-epyc/host-memory-sharded/);
+  a GPU computes these on its own memory, so a GPU run keeps glibc's default;
+- a single process whose planned host peak takes more than :data:`TIGHT_SHARE` of the host budget (what the
+  heap would keep on top may not fit).
+Otherwise ``auto`` leaves glibc's default, because a fixed threshold costs time where the CPU computes the step:
+blocks of 4 MiB and more come from fresh pages at every step (``scripts/bench_heap.py``, one rank: FSDP2's step
+18% and 37% longer in two rounds on a 45M-parameter model; the other engines' differences were within this 2-core
+box's noise). 0 leaves glibc's default; a ``MALLOC_MMAP_THRESHOLD_`` in the environment is the user's choice and wins. Nothing
+is done where the C library is not glibc.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import platform
 import sys
 
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h
-SEVERAL_RANKS_MIB = 4.0  # memory.mmap_threshold_mib=auto with several ranks, or a tight host budget
+SEVERAL_RANKS_MIB = 4.0  # memory.mmap_threshold_mib=auto where it fixes the threshold (the module's list)
 # auto with one process: the planned host peak's share of the host budget above which the threshold is fixed (the
 # heap kept 17-29% more than the plan with FSDP2 and ZeRO-3 on one process, bench/results/2026-12-05-cpu-epyc/
 # host-memory/: past this share that may not fit)
@@ -42,12 +46,13 @@ TIGHT_SHARE = 0.7
 ENV = "MALLOC_MMAP_THRESHOLD_"
 
 
-def threshold_mib(setting, world: int, host_share: float | None = None) -> float:
+def threshold_mib(setting, world: int, host_share: float | None = None, gathers_on_cpu: bool = False) -> float:
     """The threshold ``memory.mmap_threshold_mib`` asks for with ``world`` ranks (0: glibc's default);
-    ``host_share``: the planned host peak over the host budget, where a plan was made."""
+    ``host_share``: the planned host peak over the host budget, where a plan was made; ``gathers_on_cpu``: the
+    CPU computes the step of an engine that gathers the weights layer by layer."""
     if setting == "auto":
         tight = host_share is not None and host_share > TIGHT_SHARE
-        return SEVERAL_RANKS_MIB if world > 1 or tight else 0.0
+        return SEVERAL_RANKS_MIB if world > 1 or tight or gathers_on_cpu else 0.0
     return float(setting)
 
 

@@ -21,6 +21,7 @@ from launcher.machine.hardware import Hardware, enforce_gpu_budget, probe
 from launcher.model import hfconfig, kernels, lora, preference
 from launcher.model.build import build_model, count_params, load_tokenizer, model_config
 from launcher.plan import decide, report
+from launcher.plan.families import family_of
 from launcher.plan.ladder import Rung
 from launcher.plan.resolve import RunSpec
 from launcher.training import checkpoint as ckpt
@@ -52,10 +53,13 @@ def prepare(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.
     cfg, spec, machine, hw = d.cfg, d.spec, d.machine, d.hw  # hw: memory.nvme_path measured
     startup.lap("plan")
     share = _host_share(spec.plan)
-    if ranks.world == 1 and cfg.memory.mmap_threshold_mib == "auto" and heap.threshold_mib("auto", 1, share) > 0:
-        # the plan leaves the heap too little room: from here on (before the model is made) big blocks go back
-        done = heap.fix_mmap_threshold(heap.threshold_mib("auto", 1, share))
-        logger.info(f"heap: {done} (the planned host peak is {share:.0%} of the host budget)")
+    gathers = spec.device.type == "cpu" and family_of(spec.profile).shards_params
+    if ranks.world == 1 and cfg.memory.mmap_threshold_mib == "auto" and heap.threshold_mib("auto", 1, share, gathers):
+        # from here on (before the model is made) big blocks go back
+        done = heap.fix_mmap_threshold(heap.threshold_mib("auto", 1, share, gathers))
+        why = (f"{spec.profile.name} gathers each layer's weights on the CPU at every step" if gathers
+               else f"the planned host peak is {share:.0%} of the host budget")
+        logger.info(f"heap: {done} ({why})")
     tokenizer = load_tokenizer(cfg)
     train_data, eval_data = load_splits(cfg, hf_config.vocab_size, tokenizer, hf_config)
     startup.lap("data")

@@ -34,8 +34,9 @@ def run_inprocess(tmp_path, *overrides, hooks=None, fast=True):
     from launcher.config.load import load_config
     from launcher.training.loop import train
 
+    # memory.mmap_threshold_mib=0: a run's mallopt would stay with this process, and the tests after it
     cfg = load_config(None, [*(FAST if fast else []), f"train.threads={THREADS}", f"output_dir={tmp_path}", "device=cpu",
-                             *overrides])
+                             "memory.mmap_threshold_mib=0", *overrides])
     summary = train(cfg, hooks=hooks)
     rows = [json.loads(ln) for ln in open(os.path.join(summary["run_dir"], "metrics.jsonl"))]
     return summary, rows
