@@ -8,8 +8,11 @@ states are larger than the process's own runtime), then each rank's RSS high-wat
         [--heap-mib 0]   # memory.mmap_threshold_mib for every run (0: glibc's own heap, as before it was set)
     python scripts/validate_ranks.py --out ... --model llama-1b --lora 16 --ranks 1,2   # one box, one copy
 
-The last column is what the ranks of a run hold together against one rank alone on the same profile (a box that
-held a whole copy of the model per rank would show about the number of ranks).
+The last columns are what the ranks of a run hold together against one rank alone on the same profile (a box that
+held a whole copy of the model per rank would show about the number of ranks): over the whole run, and at the end of
+set-up (``peak_rss_by_phase``'s ``setup``: the model made and sharded, nothing computed yet). On CPU ranks the whole
+run's peak also holds what each rank's step computes on (its gathered layers, activations and logits), which a GPU
+box keeps on its cards; the set-up's is what every box holds on its host.
 
 Writes ``per_rank.json`` and ``per_rank.md`` (a table) to ``--out``.
 """
@@ -59,31 +62,41 @@ def run(out: str, model: str, profile: str, ranks: int, timeout: float = 900, he
         return {"profile": profile, "ranks": ranks, "status": "failed", "error": r.stderr[-2000:]}
     s = json.load(open(os.path.join(out, name, "summary.json")))
     measured = s.get("peak_cpu_rss_hwm_bytes_per_rank") or [s["peak_cpu_rss_hwm_bytes"]]
+    setup = [p.get("setup") for p in s.get("peak_rss_by_phase_per_rank") or [s.get("peak_rss_by_phase") or {}]]
     planned = s["predicted_cpu_bytes"]
     return {"profile": profile, "ranks": ranks, "status": "ok", "planned_bytes": planned, "measured_bytes": measured,
-            "errors": [planned / m - 1 for m in measured], "wall_s": round(time.perf_counter() - t, 1)}
+            "setup_bytes": setup, "errors": [planned / m - 1 for m in measured],
+            "wall_s": round(time.perf_counter() - t, 1)}
 
 
 def together(rows: list[dict]) -> None:
     """Each row's ranks' measured peaks together over one rank's alone on the same profile (where it ran)."""
-    alone = {r["profile"]: r["measured_bytes"][0] for r in rows if r["status"] == "ok" and r["ranks"] == 1}
+    ones = [r for r in rows if r["status"] == "ok" and r["ranks"] == 1]
+    alone = {r["profile"]: r["measured_bytes"][0] for r in ones}
+    alone_setup = {r["profile"]: r["setup_bytes"][0] for r in ones if all(r.get("setup_bytes") or [None])}
     for r in rows:
         if r["status"] == "ok" and r["profile"] in alone:
             r["together_over_one"] = sum(r["measured_bytes"]) / alone[r["profile"]]
+        if r["status"] == "ok" and r["profile"] in alone_setup and all(r.get("setup_bytes") or [None]):
+            r["setup_together_over_one"] = sum(r["setup_bytes"]) / alone_setup[r["profile"]]
 
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| profile | ranks | planned per rank MiB | measured per rank MiB | error (planned / measured - 1) | "
-             "ranks together / one rank alone |", "| --- | --- | --- | --- | --- | --- |"]
+             "ranks together / one rank alone | set-up peaks per rank MiB | set-up together / one rank alone |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['profile']} | {r['ranks']} | - | failed | - | - |")
+            lines.append(f"| {r['profile']} | {r['ranks']} | - | failed | - | - | - | - |")
             continue
-        ratio = r.get("together_over_one")
+        ratio, setup_ratio = r.get("together_over_one"), r.get("setup_together_over_one")
+        setup = r.get("setup_bytes") or []
         lines.append(f"| {r['profile']} | {r['ranks']} | {r['planned_bytes'] / MiB:.0f} | "
                      + ", ".join(f"{m / MiB:.0f}" for m in r["measured_bytes"]) + " | "
                      + ", ".join(f"{e:+.1%}" for e in r["errors"]) + " | "
-                     + (f"{ratio:.2f}" if ratio is not None else "-") + " |")
+                     + (f"{ratio:.2f}" if ratio is not None else "-") + " | "
+                     + (", ".join(f"{m / MiB:.0f}" if m else "-" for m in setup) or "-") + " | "
+                     + (f"{setup_ratio:.2f}" if setup_ratio is not None else "-") + " |")
     return "\n".join(lines) + "\n"
 
 

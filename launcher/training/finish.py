@@ -118,6 +118,8 @@ def summary_of(run: Run, eval_loss: float | None) -> dict:
         # every rank's own high-water mark, for the planner's per-rank numbers (a finished run: all ranks are here)
         "peak_cpu_rss_hwm_bytes_per_rank": run.ranks.gather(mon.peak_rss_bytes())
         if run.ranks.world > 1 and run.finished else None,
+        "peak_rss_by_phase_per_rank": run.ranks.gather(mon.host_peaks()) if run.ranks.world > 1 and run.finished
+        else None,
     }
 
 
