@@ -29,6 +29,7 @@ SMOKE: dict[str, tuple[list[str], str | None]] = {
     "bench_data.py": (["--smoke", "--out", "{tmp}/out", "--work", "{tmp}/work"], "out/results.json"),
     "bench_fresh_pages.py": (["--hold", "0", "0.5", "--reps", "1", "--rounds", "1", "--out", "{tmp}"],
                              "fresh_pages.json"),
+    "bench_gloo_gather.py": (["--mib", "8", "--out", "{tmp}"], "gloo_gather.json"),
     "bench_heap.py": (["--out", "{tmp}", "--rounds", "1", "--steps", "3", "--profiles", "amp-fp32"], "heap.json"),
     "bench_init.py": (["--gib", "0.01", "--rounds", "1", "--json", "{tmp}/init.json"], "init.json"),
     "bench_load.py": (["--model", "tiny", "--shard", "1MB", "--max-ratio", "inf", "--out", "{tmp}/load"],

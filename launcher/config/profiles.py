@@ -196,7 +196,7 @@ def zero3_residency(prefetch: int, largest_module: int) -> dict:
     (``stage3_max_live_parameters``, which caps DeepSpeed's prefetching), and a module's parameters released once it
     ran (``stage3_max_reuse_distance`` 0: the backward gathers them again, which the plan prices as a second move).
     DeepSpeed's defaults (1e9 each) let a billion elements stay gathered: two CPU ranks of llama-1b LoRA on
-    ``zero3-bf16-offload-all`` held 3997 and 4002 MiB each with them, 2275 and 2264 with these, against 2005 planned
+    ``zero3-bf16-offload-all`` held 3997 and 4002 MiB each with them, 2258 and 2287 with these
     (``scripts/validate_ranks.py``: bench/results/2026-12-05-cpu-epyc/two-ranks-llama-1b-lora-zero3-heap-4mib/,
     2026-12-06-cpu-epyc/two-ranks-llama-1b-lora/). ``largest_module`` 0: DeepSpeed's bound (not known yet,
     or a mixture of experts: launcher/engines/__init__.py::_zero3_bound)."""

@@ -137,6 +137,10 @@ the backward makes them (with no accumulation)."""
         computes, and reduce-scatters the gradients."""
         return 2 * share * cd * full + share * cd * trainable, 0.0, 0.0
 
+    def gathered_at_once(self, p: Profile, s: Sizes) -> int:
+        """Elements of the largest all-gather the engine makes in a step (0: it gathers no weights)."""
+        return 0
+
     def pinned_blocks(self, p: Profile, s: Sizes, trainable_sizes: list, groups: list,
                       frozen_sizes: list) -> list[tuple[int, int]]:
         """Every block (bytes of one, how many) the engine asks torch's pinned allocator for with ``pin_memory`` on,

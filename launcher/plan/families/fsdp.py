@@ -26,15 +26,20 @@ class Fsdp(Family):
     shards_params = True
     units_into_shards = True
 
-    def states(self, p: Profile, s: Sizes) -> States:
-        c, cd, st, n = s.counts, s.cd, States(), s.world
+    @staticmethod
+    def _units(s: Sizes) -> tuple[int, list[int]]:
+        """Elements of the root unit and of the others (a layer, and the embeddings and head when untied)."""
+        c = s.counts
         layer = c.per_layer + (c.adapters_per_layer if s.lora else 0)
         if c.tied_embeddings:
-            root, pair = c.embeddings + c.other, 2 * layer
-            units = [layer]
-        else:
-            root, pair = c.other, max(2 * layer, c.embeddings + layer, c.head + layer)
-            units = [c.embeddings, layer, c.head]
+            return c.embeddings + c.other, [layer]
+        return c.other, [c.embeddings, layer, c.head]
+
+    def states(self, p: Profile, s: Sizes) -> States:
+        c, cd, st, n = s.counts, s.cd, States(), s.world
+        root, units = self._units(s)
+        layer = units[0] if c.tied_embeddings else units[1]
+        pair = 2 * layer if c.tied_embeddings else max(2 * layer, c.embeddings + layer, c.head + layer)
         st.both("weights", (root + pair) * cd)
         largest_trainable_unit = c.adapters_per_layer if s.lora else max(units)
         st.add("fb", "gradients", largest_trainable_unit * (cd + 4))
@@ -45,6 +50,10 @@ class Fsdp(Family):
         st.add("cpu", "gradients", 4 * s.trainable / n)
         st.add("cpu", "optimizer_states", 8 * s.trainable / n)
         return st
+
+    def gathered_at_once(self, p: Profile, s: Sizes) -> int:
+        root, units = self._units(s)
+        return max(root, *units)  # fully_shard all-gathers one unit at a time
 
     def moves(self, p: Profile, *, cd: int, trainable: int, full: int, accumulation: int, on_gpu: bool) -> Moves:
         if on_gpu:

@@ -53,6 +53,9 @@ class Zero3(Family):
             st.add("cpu", "optimizer_states", 8 * part)
         return st
 
+    def gathered_at_once(self, p: Profile, s: Sizes) -> int:
+        return s.counts.largest_module  # a module's parameters in one coalesced all-gather
+
     def pinned_blocks(self, p: Profile, s: Sizes, trainable_sizes: list, groups: list,
                       frozen_sizes: list) -> list[tuple[int, int]]:
         # every parameter's partition pinned on its own (partition_parameters.py); the trainable ones then move into

@@ -124,4 +124,11 @@ def model_states(p: Profile, run: RunShape, accumulation: int) -> dict:
 
     "gpu_*" is the device the model computes on (the CPU itself when there is no GPU).
     """
-    return family_of(p).states(p, sizes(p, run, accumulation)).to_dict()
+    fam, s = family_of(p), sizes(p, run, accumulation)
+    st = fam.states(p, s)
+    if run.device == "cpu" and s.world > 1:
+        # CPU ranks talk over gloo, whose all-gather holds a copy of its output beside the output itself (2.0x the
+        # gathered bytes from 32 to 256 MiB: scripts/bench_gloo_gather.py, bench/results/2026-12-06-cpu-epyc/
+        # gloo-gather/); a GPU's NCCL gathers into the output alone
+        st.add("fb", "buffers", fam.gathered_at_once(p, s) * s.cd)
+    return st.to_dict()
