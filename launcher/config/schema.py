@@ -199,7 +199,7 @@ class MemoryConfig:
                                  "(glibc's mmap threshold, fixed for the run; glibc's own rises to 32 MiB and "
                                  "keeps what is freed in its heaps); auto = 4 with several ranks, where each rank's "
                                  "heap is held on the host (measured: 17-25% more per rank than planned without), "
-                                 "when the CPU computes an FSDP2 or ZeRO-3 step (17-33% more than planned without), "
+                                 "when the CPU computes an FSDP2 or ZeRO-3 step (8-50% more than planned without), "
                                  "or with one rank whose planned host peak takes over 70% of the host budget; else "
                                  "glibc's own (fresh pages cost a CPU-computed step time); 0 = glibc's own.",
                                  min=0, max=32, auto=True)  # 32: glibc's ceiling on 64-bit (mallopt refuses more)

@@ -26,8 +26,8 @@ fixes it at 4 MiB where the heap would keep most:
 Otherwise ``auto`` leaves glibc's default, because a fixed threshold costs time where the CPU computes the step:
 blocks of 4 MiB and more come from fresh pages at every step (``scripts/bench_heap.py``, one rank: FSDP2's step
 18% and 37% longer in two rounds on a 45M-parameter model; the other engines' differences were within this 2-core
-box's noise). 0 leaves glibc's default; a ``MALLOC_MMAP_THRESHOLD_`` in the environment is the user's choice and wins. Nothing
-is done where the C library is not glibc.
+box's noise). 0 leaves glibc's default; a ``MALLOC_MMAP_THRESHOLD_`` in the environment is the user's choice and
+wins. Nothing is done where the C library is not glibc.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ import platform
 import sys
 
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h
-SEVERAL_RANKS_MIB = 4.0  # memory.mmap_threshold_mib=auto where it fixes the threshold (the module's list)
+FIXED_MIB = 4.0  # memory.mmap_threshold_mib=auto where it fixes the threshold (the module's list)
 # auto with one process: the planned host peak's share of the host budget above which the threshold is fixed (the
-# heap kept 17-29% more than the plan with FSDP2 and ZeRO-3 on one process, bench/results/2026-12-05-cpu-epyc/
-# host-memory/: past this share that may not fit)
+# heap kept 8-50% more than the plan with FSDP2 and ZeRO-3 on one process, bench/results/2026-12-05-cpu-epyc/
+# host-memory/ and 2026-12-06-cpu-epyc/heap-sharded/: past this share that may not fit)
 TIGHT_SHARE = 0.7
 ENV = "MALLOC_MMAP_THRESHOLD_"
 
@@ -52,7 +52,7 @@ def threshold_mib(setting, world: int, host_share: float | None = None, gathers_
     CPU computes the step of an engine that gathers the weights layer by layer."""
     if setting == "auto":
         tight = host_share is not None and host_share > TIGHT_SHARE
-        return SEVERAL_RANKS_MIB if world > 1 or tight or gathers_on_cpu else 0.0
+        return FIXED_MIB if world > 1 or tight or gathers_on_cpu else 0.0
     return float(setting)
 
 

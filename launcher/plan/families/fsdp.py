@@ -27,18 +27,18 @@ class Fsdp(Family):
     units_into_shards = True
 
     @staticmethod
-    def _units(s: Sizes) -> tuple[int, list[int]]:
-        """Elements of the root unit and of the others (a layer, and the embeddings and head when untied)."""
+    def _units(s: Sizes) -> tuple[int, int, list[int]]:
+        """Elements of the root unit, of a layer, and of every unit but the root (the embeddings and the head are
+        units of their own when untied)."""
         c = s.counts
         layer = c.per_layer + (c.adapters_per_layer if s.lora else 0)
         if c.tied_embeddings:
-            return c.embeddings + c.other, [layer]
-        return c.other, [c.embeddings, layer, c.head]
+            return c.embeddings + c.other, layer, [layer]
+        return c.other, layer, [c.embeddings, layer, c.head]
 
     def states(self, p: Profile, s: Sizes) -> States:
         c, cd, st, n = s.counts, s.cd, States(), s.world
-        root, units = self._units(s)
-        layer = units[0] if c.tied_embeddings else units[1]
+        root, layer, units = self._units(s)
         pair = 2 * layer if c.tied_embeddings else max(2 * layer, c.embeddings + layer, c.head + layer)
         st.both("weights", (root + pair) * cd)
         largest_trainable_unit = c.adapters_per_layer if s.lora else max(units)
@@ -52,7 +52,7 @@ class Fsdp(Family):
         return st
 
     def gathered_at_once(self, p: Profile, s: Sizes) -> int:
-        root, units = self._units(s)
+        root, _, units = self._units(s)
         return max(root, *units)  # fully_shard all-gathers one unit at a time
 
     def moves(self, p: Profile, *, cd: int, trainable: int, full: int, accumulation: int, on_gpu: bool) -> Moves:
