@@ -54,9 +54,11 @@ def prepare(cfg: Config, hooks: Hooks, hw: Hardware | None, cleanup: contextlib.
     startup.lap("plan")
     share = _host_share(spec.plan)
     gathers = spec.device.type == "cpu" and family_of(spec.profile).shards_params
-    if ranks.world == 1 and cfg.memory.mmap_threshold_mib == "auto" and heap.threshold_mib("auto", 1, share, gathers):
+    one_auto = ranks.world == 1 and cfg.memory.mmap_threshold_mib == "auto"  # several ranks: fixed above
+    mib = heap.threshold_mib("auto", 1, share, gathers) if one_auto else 0.0
+    if mib:
         # from here on (before the model is made) big blocks go back
-        done = heap.fix_mmap_threshold(heap.threshold_mib("auto", 1, share, gathers))
+        done = heap.fix_mmap_threshold(mib)
         why = (f"{spec.profile.name} gathers each layer's weights on the CPU at every step" if gathers
                else f"the planned host peak is {share:.0%} of the host budget")
         logger.info(f"heap: {done} ({why})")
